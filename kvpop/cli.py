@@ -1,0 +1,39 @@
+"""`kvpop` command line. Each subcommand lives in its own module, imported
+only when used, so `kvpop generate` does not pay for torch."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("kvpop.launcher", "start redis (if needed), cache-manager, compute and gateway"),
+    "down": ("kvpop.launcher_down", "stop a stack started by `kvpop up`"),
+    "generate": ("kvpop.client", "stream a completion from a running gateway"),
+    "bench": ("kvpop.bench", "benchmarks (engine vs transformers, ...)"),
+    "tasks": ("kvpop.tasks.cli", "print or dump reasoning-task instances"),
+    "train-model": ("kvpop.training.train_model", "train the embedded default model"),
+    "eval": ("kvpop.evaluation.cli", "eviction-quality evaluation of policies"),
+    "train-estimator": ("services.cache_manager.train", "train the value-estimation network"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="kvpop", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Only the chosen subcommand's module is imported.
+    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Idempotent setup: .venv with our pinned torch first (so nothing pulls a CUDA
+# build), the package with its test extra, and a redis-server binary.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.kvpop-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
+if ! command -v redis-server >/dev/null; then
+  echo "redis-server not found: installing Debian's redis-server" >&2
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
