@@ -38,13 +38,17 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     G = Hq // Hkv
-    idx = page_table.to(torch.long)
+    valid = _valid_positions(num_blocks, last_block_len, NB, bs)  # [B, NB, bs]
+    # Padding columns may name any page (the engine uses page 0): read page 0.
+    idx = page_table.to(torch.long).masked_fill(~valid[:, None, :, 0], 0)
     # Gather in the storage dtype, then widen: fp32 accumulation for bf16/fp16.
     k = k_pages[idx].to(torch.float32)  # [B, Hkv, NB, bs, d]
-    v = v_pages[idx].to(torch.float32)
+    # Padding and the unwritten tail of the last block may hold anything
+    # (torch.empty pools, stale pages): zero them so 0 * NaN never reaches out.
+    v = v_pages[idx].to(torch.float32).masked_fill(~valid.view(B, 1, NB, bs, 1), 0.0)
+    valid = valid.view(B, 1, 1, NB, bs)
     qf = q.to(torch.float32).view(B, Hkv, G, d)
     logits = torch.einsum("bhgd,bhnpd->bhgnp", qf, k) * scale  # [B, Hkv, G, NB, bs]
-    valid = _valid_positions(num_blocks, last_block_len, NB, bs).view(B, 1, 1, NB, bs)
     logits = logits.masked_fill(~valid, float("-inf"))
     flat = logits.reshape(B, Hkv, G, NB * bs)
     probs = torch.softmax(flat, dim=-1)

@@ -1,0 +1,191 @@
+"""Reference kernel ops against naive, loop-per-head dense implementations."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import ops, reference
+
+
+def make_case(B, Hq, Hkv, d, bs, NB, dtype, seed, garbage=0.0):
+    """Random pool + ragged page tables; unused slots and tails hold `garbage`."""
+    g = torch.Generator().manual_seed(seed)
+    P = 1 + B * Hkv * NB
+    k_pages = torch.randn(P, bs, d, generator=g).to(dtype)
+    v_pages = torch.randn(P, bs, d, generator=g).to(dtype)
+    q = torch.randn(B, Hq, d, generator=g).to(dtype)
+    num_blocks = torch.randint(1, NB + 1, (B,), generator=g, dtype=torch.int32)
+    last_len = torch.randint(1, bs + 1, (B,), generator=g, dtype=torch.int32)
+    # Distinct pages per (b, h, slot), shuffled so that the table really indirects.
+    perm = (torch.randperm(P - 1, generator=g) + 1)[: B * Hkv * NB]
+    page_table = perm.view(B, Hkv, NB).to(torch.int32)
+    for b in range(B):
+        n, last = int(num_blocks[b]), int(last_len[b])
+        page_table[b, :, n:] = 0
+        tail = page_table[b, :, n - 1].long()
+        k_pages[tail, last:] = garbage
+        v_pages[tail, last:] = garbage
+    k_pages[0] = garbage
+    v_pages[0] = garbage
+    return q, k_pages, v_pages, page_table, num_blocks, last_len
+
+
+def naive_attention(q, k_pages, v_pages, page_table, num_blocks, last_len, scale):
+    """Per (sequence, query head): gather its tokens in order, dense softmax in fp64."""
+    B, Hq, d = q.shape
+    Hkv, NB = page_table.shape[1:]
+    bs = k_pages.shape[1]
+    out = torch.zeros(B, Hq, d, dtype=torch.float64)
+    mass = torch.zeros(B, Hq, NB, dtype=torch.float64)
+    for b in range(B):
+        n, last = int(num_blocks[b]), int(last_len[b])
+        for h in range(Hq):
+            kv = h // (Hq // Hkv)
+            ks, vs, owner = [], [], []
+            for j in range(n):
+                page = int(page_table[b, kv, j])
+                length = last if j == n - 1 else bs
+                ks.append(k_pages[page, :length].double())
+                vs.append(v_pages[page, :length].double())
+                owner += [j] * length
+            K, V = torch.cat(ks), torch.cat(vs)
+            p = torch.softmax(K @ q[b, h].double() * scale, dim=0)
+            out[b, h] = p @ V
+            mass[b, h].index_add_(0, torch.tensor(owner), p)
+    return out, mass
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
+                                        (torch.float16, 2e-3)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_paged_attention_matches_dense(dtype, atol, group):
+    for seed in range(3):
+        Hkv = 2
+        case = make_case(B=4, Hq=Hkv * group, Hkv=Hkv, d=32, bs=4, NB=6, dtype=dtype, seed=seed)
+        scale = 1 / math.sqrt(32)
+        out, mass = reference.paged_attention(*case, scale)
+        want_out, want_mass = naive_attention(*case, scale)
+        assert out.dtype == dtype and mass.dtype == torch.float32
+        torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=atol)
+        # The mass is accumulated in fp32 from the (widened) inputs: tight even for bf16.
+        torch.testing.assert_close(mass.double(), want_mass, atol=1e-5, rtol=1e-4)
+
+
+def test_block_mass_is_a_distribution_with_zero_padding():
+    q, kp, vp, pt, nb, last = make_case(B=5, Hq=8, Hkv=2, d=16, bs=8, NB=7,
+                                        dtype=torch.float32, seed=7)
+    _, mass = reference.paged_attention(q, kp, vp, pt, nb, last, 0.3)
+    torch.testing.assert_close(mass.sum(-1), torch.ones(5, 8))
+    for b in range(5):
+        assert torch.all(mass[b, :, int(nb[b]):] == 0)
+        assert torch.all(mass[b, :, : int(nb[b])] > 0)
+
+
+def test_garbage_in_padding_and_tails_is_never_read():
+    clean = make_case(B=3, Hq=4, Hkv=1, d=16, bs=4, NB=5, dtype=torch.float32, seed=3)
+    dirty = make_case(B=3, Hq=4, Hkv=1, d=16, bs=4, NB=5, dtype=torch.float32, seed=3,
+                      garbage=float("nan"))
+    out_c, mass_c = reference.paged_attention(*clean, 0.25)
+    out_d, mass_d = reference.paged_attention(*dirty, 0.25)
+    assert torch.isfinite(out_d).all() and torch.isfinite(mass_d).all()
+    torch.testing.assert_close(out_d, out_c)
+    torch.testing.assert_close(mass_d, mass_c)
+
+
+def test_sequence_with_no_resident_tokens_gives_zeros():
+    q, kp, vp, pt, nb, last = make_case(B=2, Hq=4, Hkv=2, d=8, bs=4, NB=3,
+                                        dtype=torch.float32, seed=1)
+    nb[1] = 0
+    out, mass = reference.paged_attention(q, kp, vp, pt, nb, last, 1.0)
+    assert torch.all(out[1] == 0) and torch.all(mass[1] == 0)
+    assert torch.isfinite(out).all()
+
+
+def test_kv_append_writes_exactly_the_named_slots():
+    g = torch.Generator().manual_seed(0)
+    kp, vp = torch.randn(10, 4, 8, generator=g), torch.randn(10, 4, 8, generator=g)
+    k0, v0 = kp.clone(), vp.clone()
+    page = torch.tensor([3, 3, 7, 1])
+    offset = torch.tensor([0, 3, 2, 1])
+    kn, vn = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    reference.kv_append(kp, vp, kn, vn, page, offset)
+    for i in range(4):
+        assert torch.equal(kp[page[i], offset[i]], kn[i])
+        assert torch.equal(vp[page[i], offset[i]], vn[i])
+        k0[page[i], offset[i]] = kn[i]
+        v0[page[i], offset[i]] = vn[i]
+    assert torch.equal(kp, k0) and torch.equal(vp, v0)
+
+
+def test_kv_append_casts_to_pool_dtype():
+    kp = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    vp = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    kn = torch.randn(2, 8)
+    reference.kv_append(kp, vp, kn, -kn, torch.tensor([1, 2]), torch.tensor([1, 0]))
+    assert torch.equal(kp[1, 1], kn[0].bfloat16()) and torch.equal(vp[2, 0], (-kn[1]).bfloat16())
+
+
+def naive_select(scores, evictable, k):
+    rows = []
+    for s, e in zip(scores.tolist(), evictable.tolist()):
+        cands = sorted((sc, c) for c, (sc, ok) in enumerate(zip(s, e)) if ok)
+        rows.append([c for _, c in cands[:k]])
+    return torch.tensor(rows, dtype=torch.long).view(len(rows), k)
+
+
+def test_eviction_select_matches_sort_with_ties():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        R, NB = 12, 1 + trial * 3
+        # Small integer scores force many ties: the older (lower) column must win.
+        scores = torch.randint(0, 4, (R, NB), generator=g).float()
+        evictable = torch.rand(R, NB, generator=g) < 0.7
+        k = int(evictable.sum(1).min())
+        got = reference.eviction_select(scores, evictable, k)
+        assert got.dtype == torch.long and got.shape == (R, k)
+        assert torch.equal(got, naive_select(scores, evictable, k))
+
+
+def test_eviction_select_keeps_infinite_scores_evictable():
+    scores = torch.tensor([[float("inf"), 0.0, float("nan"), -1.0]])
+    evictable = torch.tensor([[True, False, True, False]])
+    got = reference.eviction_select(scores, evictable, 2)
+    assert got.tolist() == [[0, 2]]
+
+
+def test_eviction_select_rejects_impossible_requests():
+    scores = torch.zeros(2, 4)
+    evictable = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    with pytest.raises(ValueError, match="row 1"):
+        reference.eviction_select(scores, evictable, 2)
+    with pytest.raises(ValueError):
+        reference.eviction_select(scores, evictable, 5)
+    with pytest.raises(ValueError):
+        reference.eviction_select(scores, evictable[:, :3], 1)
+    assert reference.eviction_select(scores, evictable, 0).shape == (2, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_features_match_loop(dtype):
+    g = torch.Generator().manual_seed(0)
+    kp = torch.randn(9, 16, 32, generator=g).to(dtype)
+    vp = torch.randn(9, 16, 32, generator=g).to(dtype)
+    pages = torch.tensor([4, 1, 8, 4])
+    key_mean, value_norm = reference.block_features(kp, vp, pages)
+    assert key_mean.dtype == torch.float32 and value_norm.dtype == torch.float32
+    for i, p in enumerate(pages.tolist()):
+        torch.testing.assert_close(key_mean[i], kp[p].float().mean(0))
+        want = sum(vp[p, t].float().norm() for t in range(16)) / 16
+        torch.testing.assert_close(value_norm[i], want)
+
+
+def test_ops_dispatch_to_reference_on_cpu(monkeypatch):
+    case = make_case(B=2, Hq=4, Hkv=2, d=8, bs=4, NB=3, dtype=torch.float32, seed=0)
+    assert ops.backend_for(case[0]) == "reference"
+    out, mass = ops.paged_attention(*case, 0.5)
+    want_out, want_mass = reference.paged_attention(*case, 0.5)
+    assert torch.equal(out, want_out) and torch.equal(mass, want_mass)
+    monkeypatch.setenv("KVPOP_KERNELS", "reference")
+    assert ops.backend_for(case[0]) == "reference"
