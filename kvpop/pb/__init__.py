@@ -1,0 +1,1 @@
+"""Generated gRPC stubs; regenerate with `python -m kvpop.protogen`."""

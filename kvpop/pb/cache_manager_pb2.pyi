@@ -1,0 +1,79 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FloatArray(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class IntArray(_message.Message):
+    __slots__ = ("shape", "data")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class BlockFeatures(_message.Message):
+    __slots__ = ("block", "position", "age", "key_mean", "value_norm", "attention")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
+    KEY_MEAN_FIELD_NUMBER: _ClassVar[int]
+    VALUE_NORM_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    block: int
+    position: int
+    age: int
+    key_mean: FloatArray
+    value_norm: FloatArray
+    attention: FloatArray
+    def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
+
+class FeaturesBatch(_message.Message):
+    __slots__ = ("request_id", "blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockFeatures]
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ...) -> None: ...
+
+class SequenceFinished(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AdvisorMessage(_message.Message):
+    __slots__ = ("features", "finished", "traceparent", "tracestate")
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    features: FeaturesBatch
+    finished: SequenceFinished
+    traceparent: str
+    tracestate: str
+    def __init__(self, features: _Optional[_Union[FeaturesBatch, _Mapping]] = ..., finished: _Optional[_Union[SequenceFinished, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class EvictionPlan(_message.Message):
+    __slots__ = ("request_id", "evict")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    evict: IntArray
+    def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ...) -> None: ...
+
+class AdvisorReply(_message.Message):
+    __slots__ = ("plan",)
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    plan: EvictionPlan
+    def __init__(self, plan: _Optional[_Union[EvictionPlan, _Mapping]] = ...) -> None: ...
