@@ -93,6 +93,10 @@ def save_model(model: TransformerModel, model_dir: str | Path, tokenizer_json_pa
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF drops it too
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    # Whatever we save is, by construction, not the untouched random placeholder
+    # (kvpop.default_model re-adds the marker after saving it).
+    hf.pop("kvpop_placeholder", None)
+    hf.pop("kvpop_placeholder_seed", None)
     (model_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (model_dir / INDEX_FILE).unlink(missing_ok=True)  # a stale index would shadow the new single file
     save_file(state, str(model_dir / SINGLE_FILE), metadata={"format": "pt"})
