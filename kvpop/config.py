@@ -1,0 +1,168 @@
+"""Service configuration: every knob is a `KVPOP_*` environment variable and a
+command-line flag (the flag wins; unset means the default below).
+
+`python -m kvpop.config` prints the table of all settings. Bad values fail at
+start with a message naming the variable, never deep inside a request.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, TypeVar
+
+from kvpop.paths import DEFAULT_MODEL_DIR
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A setting could not be parsed or is out of range."""
+
+
+def _parse_bool(s: str) -> bool:
+    v = s.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {s!r}")
+
+
+def _optional_int(s: str) -> int | None:
+    return None if s.strip() in ("", "none", "auto") else int(s)
+
+
+def setting(env: str, default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
+    if parse is None:
+        parse = _parse_bool if isinstance(default, bool) else type(default)
+    return field(default=default, metadata={"env": env, "help": help, "parse": parse})
+
+
+@dataclass
+class ServerConfig:
+    """Settings every gRPC service shares."""
+
+    host: str = setting("KVPOP_HOST", "127.0.0.1", "address to bind (0.0.0.0 to expose)")
+    log_level: str = setting("KVPOP_LOG_LEVEL", "INFO", "python logging level")
+    grace_s: float = setting("KVPOP_GRACE_S", 5.0, "on SIGTERM, seconds in-flight streams get to finish")
+    max_message_bytes: int = setting("KVPOP_MAX_MESSAGE_BYTES", 4 * 1024 * 1024,
+                                     "largest gRPC message accepted (RESOURCE_EXHAUSTED beyond)")
+
+    def validate(self) -> None:
+        if self.grace_s < 0:
+            raise ConfigError("KVPOP_GRACE_S must be >= 0")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("KVPOP_MAX_MESSAGE_BYTES must be >= 1024")
+        if not 0 <= getattr(self, "port", 0) < 65536:
+            raise ConfigError("port must be in [0, 65535]")
+
+
+@dataclass
+class CacheManagerConfig(ServerConfig):
+    port: int = setting("KVPOP_CACHE_MANAGER_PORT", 50053, "cache-manager port (0 = any free port)")
+    max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 1024,
+                                   "most block numbers per (layer, kv-head) in one eviction plan")
+
+
+@dataclass
+class ComputeConfig(ServerConfig):
+    port: int = setting("KVPOP_COMPUTE_PORT", 50052, "compute port (0 = any free port)")
+    model: str = setting("KVPOP_MODEL_DIR", str(DEFAULT_MODEL_DIR), "model folder (Hugging Face layout)")
+    device: str = setting("KVPOP_DEVICE", "auto", "cpu, cuda, cuda:N or auto")
+    dtype: str = setting("KVPOP_DTYPE", "auto", "float32, bfloat16, float16 or auto (the checkpoint's)")
+    block_size: int = setting("KVPOP_BLOCK_SIZE", 16, "positions per KV block (1 = token-level eviction)")
+    num_pages: int | None = setting("KVPOP_NUM_PAGES", None, "KV pool pages (default: sized by the engine)",
+                                    _optional_int)
+    max_num_seqs: int = setting("KVPOP_MAX_NUM_SEQS", 64, "most sequences decoding at once")
+    max_model_len: int | None = setting("KVPOP_MAX_MODEL_LEN", None,
+                                        "longest sequence (default: the model's)", _optional_int)
+    cache_manager_address: str = setting("KVPOP_CACHE_MANAGER_ADDRESS", "",
+                                         "host:port of the cache-manager ('' = none: local fallback only)")
+    replica_id: str = setting("KVPOP_REPLICA_ID", "", "name of this compute replica ('' = host:port)")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.block_size < 1:
+            raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError("KVPOP_MAX_NUM_SEQS must be >= 1")
+
+
+@dataclass
+class GatewayConfig(ServerConfig):
+    port: int = setting("KVPOP_GATEWAY_PORT", 50051, "public gateway port (0 = any free port)")
+    compute_address: str = setting("KVPOP_COMPUTE_ADDRESS", "127.0.0.1:50052", "host:port of compute")
+    redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for sessions ('' = sessions not stored)")
+    default_policy: str = setting("KVPOP_DEFAULT_POLICY", "learned", "policy when a request names none")
+    max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
+                                    "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
+    max_tokens_limit: int = setting("KVPOP_MAX_TOKENS_LIMIT", 4096,
+                                    "largest max_tokens a request may ask for (INVALID_ARGUMENT beyond)")
+    default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
+    max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
+    session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("KVPOP_DEFAULT_MAX_TOKENS must be in [1, KVPOP_MAX_TOKENS_LIMIT]")
+        if self.max_prompt_chars < 1 or self.session_ttl_s < 1:
+            raise ConfigError("KVPOP_MAX_PROMPT_CHARS and KVPOP_SESSION_TTL_S must be >= 1")
+
+
+C = TypeVar("C", bound=ServerConfig)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type[ServerConfig]) -> None:
+    for f in dataclasses.fields(cls):
+        md = f.metadata
+        parser.add_argument(_flag(f), dest=f.name, default=None, metavar=md["env"],
+                            help=f"{md['help']} [env {md['env']}, default {f.default!r}]")
+
+
+def load(cls: type[C], args: argparse.Namespace | None = None,
+         env: Mapping[str, str] | None = None) -> C:
+    """Flags over environment over defaults; raises ConfigError naming the culprit."""
+    env = os.environ if env is None else env
+    values = {}
+    for f in dataclasses.fields(cls):
+        md = f.metadata
+        raw, where = getattr(args, f.name, None) if args is not None else None, _flag(f)
+        if raw is None and md["env"] in env:
+            raw, where = env[md["env"]], md["env"]
+        if raw is None:
+            values[f.name] = f.default
+            continue
+        try:
+            values[f.name] = md["parse"](raw)
+        except ValueError as e:
+            raise ConfigError(f"{where}={raw!r}: {e}") from None
+    cfg = cls(**values)
+    cfg.validate()
+    return cfg
+
+
+def describe() -> str:
+    """Markdown table of every setting of every service."""
+    rows = ["| variable | flag | default | service | meaning |", "| --- | --- | --- | --- | --- |"]
+    seen: set[str] = set()
+    for cls, svc in ((ServerConfig, "all"), (GatewayConfig, "gateway"), (ComputeConfig, "compute"),
+                     (CacheManagerConfig, "cache-manager")):
+        for f in dataclasses.fields(cls):
+            if f.metadata["env"] in seen:
+                continue
+            seen.add(f.metadata["env"])
+            rows.append(f"| `{f.metadata['env']}` | `{_flag(f)}` | `{f.default!r}` | {svc} | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(describe())
+    sys.exit(0)

@@ -1,0 +1,143 @@
+"""Shared bootstrap of a gRPC service: grpc.aio server with message limits,
+OpenTelemetry interceptors, grpc.health.v1 (NOT_SERVING until the app says it
+is ready), server reflection, and a graceful drain on SIGTERM/SIGINT (health
+goes NOT_SERVING, new calls are refused, in-flight streams get `grace_s`).
+
+A service supplies `build(cfg, service) -> App`: it registers its servicers on
+`service.server`; `App.ready()` runs after the port is open (load a model, reach
+a dependency) and `App.close()` after the drain.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Awaitable, Callable, Protocol, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvpop import security, telemetry
+from kvpop.security import SecurityConfig
+from kvpop.config import ConfigError, ServerConfig, add_arguments, load
+
+log = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=ServerConfig)
+
+
+class App(Protocol):
+    async def ready(self) -> None: ...
+    async def close(self) -> None: ...
+
+
+class GrpcService:
+    """`internal=True` (compute, cache-manager): TLS and the shared token of
+    kvpop.security apply when configured; the public gateway port takes neither."""
+
+    def __init__(self, name: str, cfg: ServerConfig, internal: bool = True):
+        self.name, self.cfg = name, cfg
+        self.security = SecurityConfig.from_env() if internal else SecurityConfig()
+        self.server = grpc.aio.server(
+            interceptors=[*telemetry.server_interceptors(), *security.server_interceptors(self.security)],
+            options=[
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.max_send_message_length", -1),
+                # Without this a second process silently shares the port.
+                ("grpc.so_reuseport", 0),
+                # Long streams with no calls in between must survive keepalive policing.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+                ("grpc.keepalive_permit_without_calls", 1),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names: list[str] = []
+        self.port = 0
+
+    def add(self, full_service_name: str) -> None:
+        """Record a registered servicer's full name (for health and reflection)."""
+        self.service_names.append(full_service_name)
+
+    async def start(self) -> int:
+        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        addr = f"{self.cfg.host}:{self.cfg.port}"
+        try:
+            self.port = security.add_port(self.server, addr, self.security)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: cannot bind {addr}: {e}") from None
+        await self.server.start()
+        await self.set_serving(False)
+        log.info("%s listening on %s:%d", self.name, self.cfg.host, self.port)
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[App]],
+                internal: bool = True) -> int:
+    service = GrpcService(name, cfg, internal=internal)
+    app = await build(cfg, service)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    ready = asyncio.create_task(app.ready())
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if ready.done():
+        if ready.exception() is not None:
+            log.error("%s failed to start: %s", name, ready.exception(), exc_info=ready.exception())
+            rc = 1
+        else:
+            await service.set_serving(True)
+            log.info("%s SERVING on %s:%d", name, cfg.host, service.port)
+            await stopped
+    else:
+        ready.cancel()
+    log.info("%s draining (grace %.1fs)", name, cfg.grace_s)
+    await service.health.enter_graceful_shutdown()
+    await service.server.stop(cfg.grace_s)
+    try:
+        await app.close()
+    except Exception:  # noqa: BLE001 - closing must not mask the exit code
+        log.exception("%s close failed", name)
+    log.info("%s stopped", name)
+    return rc
+
+
+def run_service(name: str, cfg_cls: type[C], build: Callable[[C, GrpcService], Awaitable[App]],
+                argv: list[str] | None = None, internal: bool = True) -> int:
+    """Entry point body shared by `python -m services.<name>` and `kvpop-<name>`."""
+    parser = argparse.ArgumentParser(prog=f"kvpop-{name}", description=f"KVpop {name} service")
+    add_arguments(parser, cfg_cls)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(cfg_cls, args)
+    except (ConfigError, security.SecurityConfigError) as e:
+        print(f"kvpop-{name}: error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level)
+    telemetry.setup_tracing(name)
+    try:
+        return asyncio.run(serve(name, cfg, build, internal))
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        telemetry.shutdown_tracing()

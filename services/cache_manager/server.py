@@ -1,0 +1,89 @@
+"""Cache-manager gRPC service: one bidi `Advise` stream per compute process.
+
+Features batches update per-sequence scoring state; each batch is answered with
+an eviction plan for that sequence. A malformed message is logged and skipped:
+failing the stream would drop the plans of every other sequence on it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import AsyncIterator
+
+import grpc
+
+from kvpop import telemetry
+from kvpop.arrays import from_float_array, to_int_array
+from kvpop.config import CacheManagerConfig
+from kvpop.grpc_server import GrpcService
+from kvpop.pb import cache_manager_pb2 as pb
+from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
+from services.cache_manager.heuristic import AttentionPerAge, plan
+from services.cache_manager.scoring_state import BlockRecord, ScoringState
+
+log = logging.getLogger(__name__)
+_tracer = telemetry.tracer("kvpop.cache_manager")
+
+
+class CacheManagerServicer(pb_grpc.CacheManagerServicer):
+    def __init__(self, cfg: CacheManagerConfig):
+        self.cfg = cfg
+        self.state = ScoringState()
+        self.policy = AttentionPerAge()
+        self.plans_sent = 0
+
+    def _apply(self, batch: pb.FeaturesBatch) -> pb.AdvisorReply:
+        seq = self.state.get(batch.request_id)
+        for b in batch.blocks:
+            seq.add(BlockRecord(block=b.block, position=b.position, age=b.age,
+                                key_mean=from_float_array(b.key_mean),
+                                value_norm=from_float_array(b.value_norm),
+                                attention=from_float_array(b.attention)))
+        evict = plan(seq, self.policy.score(seq), self.cfg.max_plan_blocks)
+        self.plans_sent += 1
+        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=batch.request_id, evict=to_int_array(evict)))
+
+    async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
+        seen: set[str] = set()
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("kind")
+                if kind == "finished":
+                    self.state.drop(msg.finished.request_id)
+                    seen.discard(msg.finished.request_id)
+                    continue
+                if kind != "features" or not msg.features.request_id:
+                    continue
+                parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
+                with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
+                    span.set_attribute("kvpop.request_id", msg.features.request_id)
+                    span.set_attribute("kvpop.blocks", len(msg.features.blocks))
+                    try:
+                        reply = self._apply(msg.features)
+                    except ValueError as e:
+                        log.warning("skipping features for %s: %s", msg.features.request_id, e)
+                        span.set_attribute("kvpop.error", str(e))
+                        continue
+                seen.add(msg.features.request_id)
+                yield reply
+        finally:
+            # The compute process went away: its sequences will never finish here.
+            for rid in seen:
+                self.state.drop(rid)
+
+
+class CacheManagerApp:
+    def __init__(self, servicer: CacheManagerServicer):
+        self.servicer = servicer
+
+    async def ready(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def build(cfg: CacheManagerConfig, service: GrpcService) -> CacheManagerApp:
+    servicer = CacheManagerServicer(cfg)
+    pb_grpc.add_CacheManagerServicer_to_server(servicer, service.server)
+    service.add(pb.DESCRIPTOR.services_by_name["CacheManager"].full_name)
+    return CacheManagerApp(servicer)
