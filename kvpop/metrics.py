@@ -1,0 +1,263 @@
+"""Prometheus metrics of one kvpop process, and the HTTP server for them.
+
+Names follow vLLM's and TGI's metrics with Prometheus conventions (`kvpop_`
+prefix, base units, `_total` counters):
+
+| metric | type | who sets it |
+| --- | --- | --- |
+| `kvpop_time_to_first_token_seconds` | histogram | gateway, compute (per stream) |
+| `kvpop_inter_token_latency_seconds` | histogram | gateway, compute |
+| `kvpop_e2e_request_latency_seconds` | histogram | gateway, compute |
+| `kvpop_requests_in_flight` | gauge | gateway, compute (open streams) |
+| `kvpop_request_success_total{finish_reason}` | counter | gateway, compute |
+| `kvpop_request_failure_total{reason}` | counter | gateway, compute (gRPC code name, or `cancelled`) |
+| `kvpop_prompt_tokens_total`, `kvpop_generation_tokens_total` | counter | gateway (usage); compute (engine stats) |
+| `kvpop_num_requests_running`, `kvpop_num_requests_waiting` | gauge | compute (engine stats) |
+| `kvpop_kv_pool_pages_used`, `_free`, `_total` | gauge | compute |
+| `kvpop_kv_evictions_total{policy}` | counter | compute (blocks evicted) |
+| `kvpop_kv_fallback_evictions_total` | counter | compute |
+| `kvpop_prefix_cache_queries_total`, `kvpop_prefix_cache_hits_total` | counter | compute; hit rate = rate(hits) / rate(queries) |
+| `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round) |
+| `kvpop_service_info{service,version}` | gauge (1) | every service |
+
+Each process has one registry (`get_metrics()`); `start_metrics_server` serves
+it at `/metrics` and a readiness probe at `/healthz` (200 when the `ready`
+callable says so, else 503) on one small HTTP server thread.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Callable, Mapping
+
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, GCCollector, PlatformCollector, ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import choose_encoder
+
+# `*_created` series double the scrape size and no dashboard of ours reads them.
+disable_created_metrics()
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 60.0, 120.0, 300.0)
+SCORING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None, process_collectors: bool = True):
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        if process_collectors:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+        self.ttft = Histogram("kvpop_time_to_first_token_seconds",
+                              "Time from request arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvpop_inter_token_latency_seconds",
+                             "Time between consecutive tokens of one stream.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kvpop_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvpop_requests_in_flight", "Streams open on this process.",
+                               registry=r)
+        self.success = Counter("kvpop_request_success", "Requests that finished.",
+                               ["finish_reason"], registry=r)
+        self.failure = Counter("kvpop_request_failure", "Requests that failed.",
+                               ["reason"], registry=r)
+        self.prompt_tokens = Counter("kvpop_prompt_tokens", "Prompt tokens processed.",
+                                     registry=r)
+        self.generation_tokens = Counter("kvpop_generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.running = Gauge("kvpop_num_requests_running", "Sequences in the running batch.",
+                             registry=r)
+        self.waiting = Gauge("kvpop_num_requests_waiting", "Sequences waiting for admission.",
+                             registry=r)
+        self.pages_used = Gauge("kvpop_kv_pool_pages_used", "KV pool pages held by sequences.",
+                                registry=r)
+        self.pages_free = Gauge("kvpop_kv_pool_pages_free", "KV pool pages free.", registry=r)
+        self.pages_total = Gauge("kvpop_kv_pool_pages_total", "KV pool pages in all.",
+                                 registry=r)
+        self.evictions = Counter("kvpop_kv_evictions", "KV blocks evicted, by policy.",
+                                 ["policy"], registry=r)
+        self.fallback_evictions = Counter(
+            "kvpop_kv_fallback_evictions",
+            "KV blocks evicted by the local fallback because no plan came in time.", registry=r)
+        self.prefix_queries = Counter("kvpop_prefix_cache_queries",
+                                      "Requests looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("kvpop_prefix_cache_hits",
+                                   "Requests that reused a cached prefix.", registry=r)
+        self.scoring_latency = Histogram("kvpop_scoring_latency_seconds",
+                                         "Time of one scoring round in the cache-manager.",
+                                         buckets=SCORING_BUCKETS, registry=r)
+        self.info = Gauge("kvpop_service_info", "Constant 1, labelled with the service.",
+                          ["service", "version"], registry=r)
+        # Last cumulative values seen in engine.stats(): counters advance by deltas.
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def request(self) -> "RequestTimer":
+        return RequestTimer(self)
+
+    def refresh_engine(self, stats: Mapping) -> None:
+        """Copy `engine.stats()` into the gauges and advance the counters.
+
+        Cumulative engine counts (`evictions` by policy, `fallback_evictions`,
+        `prompt_tokens`, `generated_tokens`, `prefix_cache_queries`,
+        `prefix_cache_hits`) become counter increments; a count that went down
+        (engine rebuilt) restarts the delta from there. Missing keys are left
+        alone, so an engine that does not report something simply exports no
+        change."""
+        gauges = {"pages_used": self.pages_used, "pages_free": self.pages_free,
+                  "pages_total": self.pages_total, "running": self.running,
+                  "waiting": self.waiting}
+        for key, gauge in gauges.items():
+            if key in stats:
+                gauge.set(stats[key])
+        with self._lock:
+            for key, counter in (("fallback_evictions", self.fallback_evictions),
+                                 ("prompt_tokens", self.prompt_tokens),
+                                 ("generated_tokens", self.generation_tokens),
+                                 ("prefix_cache_queries", self.prefix_queries),
+                                 ("prefix_cache_hits", self.prefix_hits)):
+                if key in stats:
+                    self._advance(key, stats[key], counter)
+            for policy, count in (stats.get("evictions") or {}).items():
+                self._advance(f"evictions/{policy}", count, self.evictions.labels(policy=policy))
+
+    def _advance(self, key: str, value: float, counter) -> None:
+        last = self._seen.get(key, 0.0)
+        if value >= last:
+            counter.inc(value - last)
+        else:
+            counter.inc(value)
+        self._seen[key] = value
+
+
+class RequestTimer:
+    """Per-stream latency bookkeeping: call `token()` per streamed token (or
+    chunk), then `finish()` or `fail()` exactly once."""
+
+    def __init__(self, metrics: Metrics):
+        self.m = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.done = False
+        metrics.in_flight.inc()
+
+    def token(self, n: int = 1) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.start)
+        else:
+            # A chunk of n tokens spreads its gap evenly, as vLLM's ITL does.
+            gap = (now - self.last) / max(1, n)
+            for _ in range(max(1, n)):
+                self.m.itl.observe(gap)
+        self.last = now
+
+    def finish(self, finish_reason: str, prompt_tokens: int | None = None,
+               completion_tokens: int | None = None) -> None:
+        """Pass token counts only where no engine stats export them (the gateway)."""
+        if self._close():
+            self.m.e2e.observe(time.perf_counter() - self.start)
+            self.m.success.labels(finish_reason=finish_reason or "unknown").inc()
+            if prompt_tokens:
+                self.m.prompt_tokens.inc(prompt_tokens)
+            if completion_tokens:
+                self.m.generation_tokens.inc(completion_tokens)
+
+    def fail(self, reason: str) -> None:
+        if self._close():
+            self.m.failure.labels(reason=reason or "unknown").inc()
+
+    def _close(self) -> bool:
+        if self.done:
+            return False
+        self.done = True
+        self.m.in_flight.dec()
+        return True
+
+
+_metrics: Metrics | None = None
+_metrics_lock = threading.Lock()
+
+
+def get_metrics() -> Metrics:
+    """The process-wide Metrics (created on first use)."""
+    global _metrics
+    with _metrics_lock:
+        if _metrics is None:
+            _metrics = Metrics()
+        return _metrics
+
+
+class MetricsServer:
+    """`/metrics` and `/healthz` on a daemon thread; `port` is the bound port."""
+
+    def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread):
+        self.httpd = httpd
+        self.thread = thread
+        self.host, self.port = httpd.server_address[:2]
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1",
+                         ready: Callable[[], bool] | None = None,
+                         metrics: Metrics | None = None,
+                         service: str | None = None, version: str = "") -> MetricsServer:
+    """Serve `metrics` (default: the process's) on host:port (0 = any free port).
+
+    ready: readiness probe for `/healthz`; None means "ready while the process
+    runs" (liveness only). An exception inside it counts as not ready."""
+    m = metrics or get_metrics()
+    if service:
+        if not version:
+            from importlib.metadata import PackageNotFoundError, version as pkg_version
+            try:
+                version = pkg_version("kvpop-serving")
+            except PackageNotFoundError:
+                version = "dev"
+        m.info.labels(service=service, version=version).set(1)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 — http.server's naming
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                encoder, content_type = choose_encoder(self.headers.get("Accept"))
+                self._send(200, encoder(m.registry), content_type)
+            elif path == "/healthz":
+                try:
+                    ok = True if ready is None else bool(ready())
+                except Exception:  # noqa: BLE001 — a broken probe is "not ready", not a 500
+                    ok = False
+                self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
+            else:
+                self._send(404, b"not found: try /metrics or /healthz\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, content_type: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass  # scrapes every few seconds would drown the service log
+
+    httpd = ThreadingHTTPServer((host, port), Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
+    return MetricsServer(httpd, thread)

@@ -1,0 +1,151 @@
+"""Prometheus metrics: names, engine-stats refresh, request timing, and the
+real /metrics and /healthz HTTP endpoints."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpop.metrics import Metrics, get_metrics, start_metrics_server
+
+REQUIRED = [
+    "kvpop_time_to_first_token_seconds", "kvpop_inter_token_latency_seconds",
+    "kvpop_e2e_request_latency_seconds", "kvpop_prompt_tokens_total",
+    "kvpop_generation_tokens_total", "kvpop_num_requests_running", "kvpop_num_requests_waiting",
+    "kvpop_kv_pool_pages_used", "kvpop_kv_pool_pages_free", "kvpop_kv_evictions_total",
+    "kvpop_kv_fallback_evictions_total", "kvpop_prefix_cache_queries_total",
+    "kvpop_prefix_cache_hits_total", "kvpop_scoring_latency_seconds",
+    "kvpop_request_success_total", "kvpop_request_failure_total",
+]
+
+
+def scrape(url: str) -> tuple[dict[str, float], set[str]]:
+    """(sample name{labels} -> value, declared metric names), from a real HTTP GET."""
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        body = resp.read().decode()
+    declared = {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE ")}
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out, declared
+
+
+def test_refresh_engine_sets_gauges_and_advances_counters():
+    m = Metrics(process_collectors=False)
+    stats = {"pages_used": 40, "pages_free": 60, "pages_total": 100, "running": 3, "waiting": 1,
+             "evictions": {"h2o": 12, "learned": 5}, "fallback_evictions": 2,
+             "prompt_tokens": 300, "generated_tokens": 50,
+             "prefix_cache_queries": 10, "prefix_cache_hits": 9}
+    m.refresh_engine(stats)
+    m.refresh_engine(stats)   # same cumulative values: counters must not double
+    reg = m.registry
+    assert reg.get_sample_value("kvpop_kv_pool_pages_used") == 40
+    assert reg.get_sample_value("kvpop_num_requests_waiting") == 1
+    assert reg.get_sample_value("kvpop_kv_evictions_total", {"policy": "h2o"}) == 12
+    assert reg.get_sample_value("kvpop_generation_tokens_total") == 50
+    stats.update(pages_used=10, pages_free=90, running=0, generated_tokens=80,
+                 evictions={"h2o": 20, "learned": 5, "snapkv": 1}, prefix_cache_hits=10)
+    m.refresh_engine(stats)
+    assert reg.get_sample_value("kvpop_kv_pool_pages_used") == 10
+    assert reg.get_sample_value("kvpop_num_requests_running") == 0
+    assert reg.get_sample_value("kvpop_kv_evictions_total", {"policy": "h2o"}) == 20
+    assert reg.get_sample_value("kvpop_kv_evictions_total", {"policy": "snapkv"}) == 1
+    assert reg.get_sample_value("kvpop_generation_tokens_total") == 80
+    assert reg.get_sample_value("kvpop_prefix_cache_hits_total") == 10
+    # An engine rebuilt from zero: counting resumes from the new value, never goes back.
+    m.refresh_engine({"generated_tokens": 7})
+    assert reg.get_sample_value("kvpop_generation_tokens_total") == 87
+    # Keys an engine does not report are left alone.
+    m.refresh_engine({})
+    assert reg.get_sample_value("kvpop_kv_pool_pages_free") == 90
+
+
+def test_request_timer_observes_ttft_itl_e2e_once():
+    m = Metrics(process_collectors=False)
+    reg = m.registry
+    t = m.request()
+    assert reg.get_sample_value("kvpop_requests_in_flight") == 1
+    time.sleep(0.02)
+    t.token()
+    for _ in range(3):
+        time.sleep(0.005)
+        t.token()
+    t.finish("length", prompt_tokens=12, completion_tokens=4)
+    t.finish("length")          # a second close is ignored
+    t.fail("INTERNAL")
+    assert reg.get_sample_value("kvpop_requests_in_flight") == 0
+    assert reg.get_sample_value("kvpop_time_to_first_token_seconds_count") == 1
+    assert reg.get_sample_value("kvpop_time_to_first_token_seconds_sum") >= 0.02
+    assert reg.get_sample_value("kvpop_inter_token_latency_seconds_count") == 3
+    assert reg.get_sample_value("kvpop_inter_token_latency_seconds_sum") >= 0.015
+    assert reg.get_sample_value("kvpop_e2e_request_latency_seconds_count") == 1
+    assert reg.get_sample_value("kvpop_request_success_total", {"finish_reason": "length"}) == 1
+    assert reg.get_sample_value("kvpop_request_failure_total", {"reason": "INTERNAL"}) is None
+    assert reg.get_sample_value("kvpop_prompt_tokens_total") == 12
+    f = m.request()
+    f.fail("UNAVAILABLE")
+    assert reg.get_sample_value("kvpop_request_failure_total", {"reason": "UNAVAILABLE"}) == 1
+    assert reg.get_sample_value("kvpop_e2e_request_latency_seconds_count") == 1
+
+
+def test_http_endpoint_serves_metrics_and_readiness():
+    m = Metrics()
+    ready = {"ok": False}
+    server = start_metrics_server(0, "127.0.0.1", ready=lambda: ready["ok"], metrics=m,
+                                  service="compute")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        m.refresh_engine({"pages_used": 5, "pages_free": 7, "evictions": {"tova": 3}})
+        m.scoring_latency.observe(0.002)
+        samples, declared = scrape(base + "/metrics")
+        assert set(REQUIRED) <= declared, set(REQUIRED) - declared
+        assert not any(n.endswith("_created") for n in declared)
+        assert samples["kvpop_kv_pool_pages_used"] == 5
+        assert samples["kvpop_kv_evictions_total{policy=tova}"] == 3
+        assert samples["kvpop_scoring_latency_seconds_count"] == 1
+        assert any(k.startswith("kvpop_service_info{service=compute") for k in samples)
+        assert "process_resident_memory_bytes" in samples
+
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/healthz", timeout=5)
+        assert e.value.code == 503
+        ready["ok"] = True
+        with urllib.request.urlopen(base + "/healthz", timeout=5) as resp:
+            assert resp.status == 200
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/nope", timeout=5)
+        assert e.value.code == 404
+
+        # The probe command used by compose sees the same thing.
+        probe = [sys.executable, "-m", "kvpop.healthcheck", "--http", base + "/healthz"]
+        assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+        ready["ok"] = False
+        assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 1
+    finally:
+        server.close()
+
+
+def test_broken_readiness_probe_is_not_ready():
+    def boom():
+        raise RuntimeError("engine gone")
+    server = start_metrics_server(0, ready=boom, metrics=Metrics(process_collectors=False))
+    try:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/healthz", timeout=5)
+        assert e.value.code == 503
+    finally:
+        server.close()
+
+
+def test_process_registry_is_a_singleton():
+    assert get_metrics() is get_metrics()
+    assert get_metrics().registry.get_sample_value("kvpop_requests_in_flight") is not None
