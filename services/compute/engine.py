@@ -1,0 +1,281 @@
+"""LLMEngine: the in-process engine (docs/internals.md, "Engine API").
+
+One ``step()`` = admit, run one mixed prefill/decode forward, sample, stream
+text, then run the eviction rounds of every sequence it touched. Evaluation,
+benchmarks and the compute gRPC server (through AsyncEngine) all use it.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from services.compute.eviction import (EvictionAdvisor, EvictionParams, blocks_leaving_window,
+                                       eviction_round, resolve_eviction, update_features)
+from services.compute.kv_pool import KVPool
+from services.compute.model_runner import ModelRunner
+from services.compute.policies import LEARNED, get_policy
+from services.compute.sampler import SamplingParams, make_generator, sample
+from services.compute.scheduler import Scheduler
+from services.compute.sequence import Sequence
+
+__all__ = ["EngineConfig", "EvictionParams", "LLMEngine", "SamplingParams", "StepOutput", "Usage"]
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_pages: int | None = None          # None: from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30         # used when num_pages is None
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    prefill_chunk: int = 512
+    cleanup_threshold: float = 0.7
+    cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
+    plan_slack_blocks: int = 2
+    fallback_policy: str = "h2o"          # local ranking for "learned" when plans are late
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    kv_blocks_resident: int
+    kv_blocks_evicted: int
+    policy: str
+    fallback_evictions: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    token_id: int | None                  # None on an abort or error notice
+    text_delta: str
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None             # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, advisor: EvictionAdvisor | None = None,
+                 model=None, tokenizer=None):
+        if model is None:
+            from services.compute.loader import load_model
+            from services.compute.tokenizer import Tokenizer
+            model = load_model(config.model_dir, config.dtype, config.device)
+            tokenizer = Tokenizer(config.model_dir) if tokenizer is None else tokenizer
+        self.config, self.advisor = config, advisor
+        self.model, self.tokenizer = model.eval(), tokenizer
+        mc = model.config
+        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        if config.num_pages is not None:
+            self.pool = KVPool(config.num_pages, config.block_size, mc.head_dim, model.dtype, model.device)
+        else:
+            dense = (math.ceil(self.max_model_len / config.block_size) * mc.num_layers
+                     * mc.num_kv_heads * config.max_num_seqs + 1)
+            pages = min(dense, config.kv_cache_bytes // KVPool.page_bytes(config.block_size, mc.head_dim, model.dtype))
+            self.pool = KVPool(pages, config.block_size, mc.head_dim, model.dtype, model.device)
+        self.runner = ModelRunner(model, self.pool)
+        self.scheduler = Scheduler(self.pool, mc.num_layers * mc.num_kv_heads, config.max_num_seqs,
+                                   config.prefill_chunk, config.cleanup_threshold)
+        self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set(mc.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self._aborts: list[str] = []
+        self._ids = itertools.count()
+        self.counters = Counter()
+        self.evictions_by_policy: Counter = Counter()
+
+    # ------------------------------------------------------------ requests
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int],
+                      sampling: SamplingParams | None = None,
+                      eviction: EvictionParams | None = None) -> Sequence:
+        """Validate and build a sequence (raises ValueError); touches no engine state."""
+        sampling = sampling or SamplingParams()
+        eviction = eviction or EvictionParams()
+        sampling.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({sampling.max_tokens}) "
+                             f"exceeds the model's max length {self.max_model_len}")
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        c, mc = self.config, self.model.config
+        state = resolve_eviction(eviction, block_size=c.block_size, prompt_len=len(prompt),
+                                 max_tokens=sampling.max_tokens, plan_slack_blocks=c.plan_slack_blocks,
+                                 cleanup_floor=c.cleanup_floor)
+        seq = Sequence(request_id, prompt, sampling, state, mc.num_layers, mc.num_kv_heads,
+                       mc.head_dim, c.block_size, self.model.device)
+        seq.policy = get_policy(c.fallback_policy if state.policy == LEARNED else state.policy)
+        seq.generator = make_generator(sampling, self.model.device)
+        if self.tokenizer is not None:
+            seq.decoder = self.tokenizer.incremental_decoder(prompt)
+        return seq
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams | None = None,
+                    eviction: EvictionParams | None = None) -> None:
+        self.add_sequence(self.make_sequence(request_id, prompt_token_ids, sampling, eviction))
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request id {seq.request_id!r} is already running")
+        self.scheduler.add(seq)
+        self.seqs[seq.request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        """Pages are freed at the next step."""
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs) or bool(self._aborts)
+
+    # ------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        outputs = []
+        for rid in self._aborts:
+            if rid in self.seqs:
+                outputs.append(self._finish(self.seqs[rid], "abort", None, "", None))
+        self._aborts.clear()
+        if self.advisor is not None:
+            for rid, plan in self.advisor.take_plans().items():
+                seq = self.seqs.get(rid)
+                if seq is not None and seq.eviction.policy == LEARNED:
+                    seq.pending_plan = plan
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        logits, sampled = self.runner.run(batch)
+        self.counters["steps"] += 1
+        self.counters["prompt_tokens"] += sum(t for s, t in batch if s.num_cached <= s.num_prompt)
+        if sampled:
+            tokens, logprobs = sample(logits, sampled)
+            for seq, tok, lp in zip(sampled, tokens, logprobs):
+                outputs.append(self._emit(seq, tok, lp))
+        for seq, _ in batch:
+            if not seq.is_finished and seq.eviction.budget_blocks is not None:
+                self._after_step(seq)
+        return outputs
+
+    def _after_step(self, seq: Sequence) -> None:
+        update_features(seq, self.pool)
+        if seq.eviction.policy == LEARNED and self.advisor is not None:
+            feats = blocks_leaving_window(seq)
+            if feats:
+                self.advisor.submit(feats)
+        before = seq.evicted_blocks
+        eviction_round(seq, self.pool)
+        self.evictions_by_policy[seq.eviction.policy] += seq.evicted_blocks - before
+
+    def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
+        p = seq.sampling
+        self.counters["generated_tokens"] += 1
+        if tok in self.eos_ids and not p.ignore_eos:
+            seq.append_token(tok)
+            return self._finish(seq, "stop", tok, self._flush(seq), logprob)
+        seq.append_token(tok)
+        delta, stopped = self._detokenize(seq, tok)
+        if stopped:
+            return self._finish(seq, "stop", tok, delta, logprob)
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", tok, delta + self._flush(seq), logprob)
+        return StepOutput(seq.request_id, tok, delta, logprob, False, None)
+
+    # ------------------------------------------------------------ text
+    def _detokenize(self, seq: Sequence, tok: int) -> tuple[str, bool]:
+        if seq.decoder is None:
+            return "", False
+        seq.text += seq.decoder.push(tok)
+        stops = seq.sampling.stop
+        if not stops:
+            delta, seq.emitted = seq.text[seq.emitted:], len(seq.text)
+            return delta, False
+        start = max(0, seq.emitted - max(map(len, stops)) + 1)
+        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
+        if hits:
+            end = max(min(hits), seq.emitted)
+            delta, seq.emitted = seq.text[seq.emitted:end], len(seq.text)
+            return delta, True
+        # Hold back a tail that could still become a stop string.
+        hold = max((k for s in stops for k in range(1, len(s)) if seq.text.endswith(s[:k])), default=0)
+        end = max(seq.emitted, len(seq.text) - hold)
+        delta, seq.emitted = seq.text[seq.emitted:end], end
+        return delta, False
+
+    def _flush(self, seq: Sequence) -> str:
+        if seq.decoder is None:
+            return ""
+        seq.text += seq.decoder.flush()
+        delta, seq.emitted = seq.text[seq.emitted:], len(seq.text)
+        return delta
+
+    # ------------------------------------------------------------ finish
+    def _finish(self, seq: Sequence, reason: str, tok, delta: str, logprob) -> StepOutput:
+        usage = Usage(seq.num_prompt, len(seq.output_ids), seq.page_table.numel(),
+                      seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions)
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        if self.advisor is not None and seq.eviction.policy == LEARNED:
+            self.advisor.release(seq.request_id)
+        self.counters["finished_requests"] += 1
+        self.counters[f"finish_{reason}"] += 1
+        self.counters["fallback_evictions"] += seq.fallback_evictions
+        return StepOutput(seq.request_id, tok, delta, logprob, True, reason, usage)
+
+    def fail_all(self, reason: str = "error") -> list[StepOutput]:
+        """Finish every request (used when a step raised: the loop lives on)."""
+        return [self._finish(s, reason, None, "", None) for s in list(self.seqs.values())]
+
+    # ------------------------------------------------------------ helpers
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                 eviction: EvictionParams | None = None) -> Iterator[StepOutput]:
+        """Run one request to completion, yielding its outputs as they come.
+        Drives ``step()`` itself: use add_request/step for many requests."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            prompt = self.tokenizer.encode(prompt)
+        rid = f"gen-{next(self._ids)}"
+        self.add_request(rid, prompt, sampling, eviction)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def stats(self) -> dict:
+        live_fallback = sum(s.fallback_evictions for s in self.seqs.values())
+        return {
+            "pages_total": self.pool.capacity,
+            "pages_used": self.pool.num_used,
+            "pages_free": self.pool.num_free,
+            "pages_reserved": self.scheduler.reserved(),
+            "pool_utilisation": self.pool.utilisation(),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "evictions": dict(self.evictions_by_policy),
+            "fallback_evictions": self.counters["fallback_evictions"] + live_fallback,
+            "generated_tokens": self.counters["generated_tokens"],
+            "prompt_tokens": self.counters["prompt_tokens"],
+            "steps": self.counters["steps"],
+            "finished_requests": self.counters["finished_requests"],
+            "budget_shrinks": self.scheduler.budget_shrinks,
+        }

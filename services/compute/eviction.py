@@ -1,0 +1,263 @@
+"""Eviction: request parameters, the eviction round, and the advisor protocol.
+
+Protection is decided here, once, for every policy: sink blocks, blocks that
+overlap the ``recent`` window and the newest (possibly partial) block are never
+evicted. A round frees the same number of blocks in every (layer, kv-head) row
+(which ones is per row) and compacts rows keeping block order.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels import ops
+from services.compute.kv_pool import KVPool
+from services.compute.policies import LEARNED, POLICY_NAMES
+from services.compute.sequence import EvictionState, Sequence
+
+
+# ---------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class EvictionParams:
+    policy: str = "dense"
+    budget: int | float | None = None  # tokens (int) or fraction of prompt + max_tokens (float)
+    sink: int = 4
+    recent: int = 32
+    block_size: int | None = None      # None: the engine's block size
+
+
+def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
+    """Smallest budget a round can always meet: every protected block
+    (sink, the blocks overlapping the recent window, the newest block) plus
+    the one block a decode step may add."""
+    return sink_blocks + max(math.ceil(recent / block_size), 1) + 1
+
+
+def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max_tokens: int,
+                     plan_slack_blocks: int = 2, cleanup_floor: float = 0.5) -> EvictionState:
+    if p.policy not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {p.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if p.block_size is not None and p.block_size != block_size:
+        raise ValueError(f"block_size {p.block_size} is not supported by this engine; "
+                         f"its KV pool uses block_size {block_size}")
+    if p.sink < 0 or p.recent < 0:
+        raise ValueError(f"sink ({p.sink}) and recent ({p.recent}) must be >= 0")
+    sink_blocks = math.ceil(p.sink / block_size)
+    minimum = min_budget_blocks(sink_blocks, p.recent, block_size)
+    if p.policy == "dense":
+        return EvictionState("dense", None, minimum, sink_blocks, p.recent)
+    if p.budget is None:
+        raise ValueError(f"policy {p.policy!r} needs a budget (tokens, or a fraction in (0, 1])")
+    if isinstance(p.budget, bool) or not isinstance(p.budget, (int, float)):
+        raise ValueError(f"budget must be an int (tokens) or a float fraction, got {p.budget!r}")
+    if isinstance(p.budget, float):
+        if not 0.0 < p.budget <= 1.0:
+            raise ValueError(f"fractional budget must be in (0, 1], got {p.budget}")
+        # A fraction of a short request may be smaller than the protected
+        # blocks; it is a relative request, so it is raised to the minimum.
+        blocks = max(minimum, int(p.budget * (prompt_len + max_tokens)) // block_size)
+    else:
+        blocks = p.budget // block_size
+        if blocks < minimum:
+            raise ValueError(
+                f"budget {p.budget} tokens is too small: with block_size {block_size}, sink {p.sink} "
+                f"and recent {p.recent} it must be at least {minimum * block_size} tokens "
+                f"(sink + recent + 1 block, in whole blocks)")
+    floor = max(minimum, math.ceil(blocks * cleanup_floor))
+    slack = plan_slack_blocks if p.policy == LEARNED else 0
+    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack)
+
+
+def max_resident_blocks(state: EvictionState, total_tokens: int, block_size: int,
+                        prefill_chunk: int) -> int:
+    """The most blocks one row of a sequence can ever hold (pool reservation)."""
+    dense = math.ceil(total_tokens / block_size)
+    if state.budget_blocks is None:
+        return dense
+    # Between chunks a prefill holds the budget, during a chunk the chunk's blocks on top.
+    peak = state.budget_blocks + state.slack_blocks + math.ceil(prefill_chunk / block_size) + 1
+    return min(dense, peak)
+
+
+# ------------------------------------------------------------------ advisor
+@dataclass
+class BlockFeatures:
+    request_id: str
+    block: int                    # logical block number
+    position: int                 # first token position of the block
+    key_mean: torch.Tensor        # [L, Hkv, d]
+    value_norm: torch.Tensor      # [L, Hkv]
+    attention: torch.Tensor       # [L, Hkv] accumulated attention received so far
+    age: int                      # tokens since the block's first position
+
+
+@dataclass
+class EvictionPlan:
+    request_id: str
+    evict: torch.Tensor           # [L, Hkv, k] logical block numbers, most evictable first (-1 = pad)
+
+
+class EvictionAdvisor(Protocol):
+    def submit(self, features: list[BlockFeatures]) -> None: ...
+    def take_plans(self) -> dict[str, EvictionPlan]: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class InProcessAdvisor:
+    """A minimal advisor: ranks every block it was told about by the attention
+    it had received when submitted (lowest first). Plans keep naming blocks
+    that compute already evicted, which compute must ignore. ``delay`` holds
+    each plan back that many ``take_plans`` calls; ``silent`` never answers."""
+
+    def __init__(self, delay: int = 0, silent: bool = False):
+        self.delay, self.silent = delay, silent
+        self._lock = threading.Lock()
+        self._blocks: dict[str, dict[int, torch.Tensor]] = {}
+        self._due: dict[str, int] = {}
+        self.submitted = 0
+        self.plans_sent = 0
+
+    def submit(self, features: list[BlockFeatures]) -> None:
+        with self._lock:
+            for f in features:
+                self._blocks.setdefault(f.request_id, {})[f.block] = f.attention
+                self._due.setdefault(f.request_id, self.delay)
+                self.submitted += 1
+
+    def take_plans(self) -> dict[str, EvictionPlan]:
+        plans = {}
+        with self._lock:
+            for rid in list(self._due):
+                if self._due[rid] > 0:
+                    self._due[rid] -= 1
+                    continue
+                del self._due[rid]
+                if self.silent:
+                    continue
+                blocks = self._blocks[rid]
+                names = torch.tensor(sorted(blocks), dtype=torch.int32)
+                att = torch.stack([blocks[b] for b in sorted(blocks)], -1)   # [L, Hkv, n]
+                plans[rid] = EvictionPlan(rid, names[att.argsort(-1, stable=True)])
+                self.plans_sent += 1
+        return plans
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._blocks.pop(request_id, None)
+            self._due.pop(request_id, None)
+
+
+# ------------------------------------------------------------------- rounds
+def protected_mask(seq: Sequence) -> torch.Tensor:
+    """[L, Hkv, NB] bool: sink blocks, blocks overlapping the recent window, the newest block."""
+    bi = seq.block_index
+    bs, n, st = seq.block_size, seq.num_cached, seq.eviction
+    prot = bi < st.sink_blocks
+    if st.recent > 0:
+        prot |= bi >= (n - st.recent) // bs
+    prot[..., -1] = True
+    return prot
+
+
+def update_features(seq: Sequence, pool: KVPool) -> None:
+    """Key/value summaries of the blocks that became full in the last step
+    (they are still the trailing columns: rounds run after this)."""
+    bs, n = seq.block_size, seq.num_cached
+    full = n // bs
+    if full <= seq.feat_upto:
+        return
+    last = (n - 1) // bs
+    cols = torch.arange(seq.feat_upto, full, device=seq.page_table.device)
+    cols = seq.num_blocks - 1 - (last - cols)
+    pages = seq.page_table[:, :, cols]                                  # [L, Hkv, k]
+    km, vn = ops.block_features(pool.k_pages, pool.v_pages, pages.reshape(-1))
+    L, H, k = pages.shape
+    seq.key_mean[:, :, cols] = km.view(L, H, k, -1).to(seq.key_mean.device)
+    seq.value_norm[:, :, cols] = vn.view(L, H, k).to(seq.value_norm.device)
+    seq.feat_upto = full
+
+
+def blocks_leaving_window(seq: Sequence) -> list[BlockFeatures]:
+    """Features of blocks that just left the protected recent window: the
+    delayed decision point. They are resident in every row (never evicted
+    while protected)."""
+    st, bs, n = seq.eviction, seq.block_size, seq.num_cached
+    upto = max(0, (n - st.recent) // bs) if st.recent > 0 else n // bs
+    start = max(seq.sent_upto, st.sink_blocks)
+    out = []
+    for b in range(start, upto):
+        col = (seq.block_index < b).sum(-1, keepdim=True).long()       # [L, Hkv, 1]
+        gather = lambda t: t.gather(2, col).squeeze(2)
+        km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).squeeze(2)
+        out.append(BlockFeatures(seq.request_id, b, b * bs, km.cpu(), gather(seq.value_norm).cpu(),
+                                 gather(seq.acc_mass).cpu(), n - b * bs))
+    seq.sent_upto = max(seq.sent_upto, upto)
+    return out
+
+
+def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,
+                 plan: torch.Tensor | None = None) -> None:
+    """Free ``num_evict`` evictable blocks from every row: the first resident
+    evictable blocks named by ``plan`` (if any), then the lowest ``scores``."""
+    if num_evict <= 0:
+        return
+    L, H, NB = seq.page_table.shape
+    R = L * H
+    evictable = ~protected_mask(seq)
+    scores = scores.float()
+    in_plan = None
+    if plan is not None:
+        plan = plan.to(seq.block_index.device)
+        match = seq.block_index[..., :, None] == plan[..., None, :]     # [L, Hkv, NB, k]
+        in_plan = match.any(-1)
+        rank = match.float().argmax(-1).float() - plan.shape[-1]        # plan blocks in [-k, -1]
+        local = scores.argsort(-1).argsort(-1).float()                  # others in [0, NB-1]
+        scores = torch.where(in_plan, rank, local)
+    cols = ops.eviction_select(scores.reshape(R, NB), evictable.reshape(R, NB), num_evict)
+    pages = seq.page_table.reshape(R, NB).gather(1, cols)
+    drop = torch.zeros(R, NB, dtype=torch.bool, device=cols.device).scatter_(1, cols, True)
+    keep = torch.arange(NB, device=cols.device).expand(R, NB)[~drop].view(L, H, NB - num_evict)
+    if in_plan is not None:
+        seq.fallback_evictions += int((~in_plan.reshape(R, NB).gather(1, cols)).sum())
+    seq.keep_columns(keep)
+    pool.free(pages)
+    seq.evicted_blocks += R * num_evict
+    seq.eviction_rounds += 1
+
+
+def eviction_round(seq: Sequence, pool: KVPool) -> None:
+    """Run after every step that touched ``seq``: bring every row back to its
+    budget, leaving room for the block the next decode step may open."""
+    st = seq.eviction
+    if st.budget_blocks is None:
+        return
+    n, bs, NB = seq.num_cached, seq.block_size, seq.num_blocks
+    target = st.budget_blocks - (1 if not seq.in_prefill and n % bs == 0 else 0)
+    if st.policy != LEARNED:
+        if NB > target:
+            evict_blocks(seq, pool, NB - target, seq.policy.score(seq))
+        return
+    plan = seq.pending_plan
+    if NB > target and (plan is not None or NB > target + st.slack_blocks):
+        seq.pending_plan = None
+        if plan is None:   # the advisor is late: evict locally, and count it
+            seq.fallback_evictions += (NB - target) * seq.num_layers * seq.num_kv_heads
+        evict_blocks(seq, pool, NB - target, seq.policy.score(seq),
+                     None if plan is None else plan.evict)
+
+
+def shrink_budget(seq: Sequence, pool: KVPool) -> bool:
+    """Cleanup (DESIGN protocol 6): halve the way to the floor and evict now.
+    Returns False when the sequence is already at its floor or is dense."""
+    st = seq.eviction
+    if st.budget_blocks is None or st.budget_blocks <= st.floor_blocks:
+        return False
+    st.budget_blocks = max(st.floor_blocks, (st.budget_blocks + st.floor_blocks) // 2)
+    slack, st.slack_blocks = st.slack_blocks, 0   # the pool needs the pages now
+    eviction_round(seq, pool)
+    st.slack_blocks = slack
+    return True

@@ -1,0 +1,68 @@
+"""The paged KV pool: one preallocated K and V tensor for the whole model.
+
+A page holds one block (``block_size`` positions) of one (layer, kv-head) of one
+sequence. Keys are stored post-RoPE, so any freed page can be reused by any
+sequence at any position. Page 0 is never handed out: page tables pad with it
+and gathers from it are harmless.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    pass
+
+
+class KVPool:
+    def __init__(self, num_pages: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        self.block_size = block_size
+        self.head_dim = head_dim
+        # zeros, not empty: padding slots are masked, but 0 * NaN would still poison outputs.
+        self.k_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
+        # A stack: recently freed pages are handed out first (warm in cache).
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @staticmethod
+    def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def from_memory(cls, memory_bytes: int, block_size: int, head_dim: int,
+                    dtype: torch.dtype = torch.float32, device="cpu") -> "KVPool":
+        return cls(max(2, memory_bytes // cls.page_bytes(block_size, head_dim, dtype)),
+                   block_size, head_dim, dtype, device)
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can be handed out (page 0 excluded)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def utilisation(self) -> float:
+        return self.num_used / self.capacity
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} pages, {len(self._free)} free")
+        if n == 0:
+            return torch.empty(0, dtype=torch.int32)
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return torch.tensor(pages, dtype=torch.int32)
+
+    def free(self, pages: torch.Tensor) -> None:
+        if pages.numel():
+            self._free.extend(pages.reshape(-1).tolist())

@@ -1,0 +1,92 @@
+"""Sampling: greedy, temperature, top-k, top-p, repetition penalty.
+
+Every random request draws from its own ``torch.Generator`` (seeded by the
+request's seed, or a fresh random seed), one row at a time, so the tokens a
+seeded request gets do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a sequence of non-empty strings")
+
+
+def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+    if params.temperature == 0.0:
+        return None
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _penalise(row: torch.Tensor, seen: list[int], penalty: float) -> torch.Tensor:
+    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=row.device)
+    vals = row[idx]
+    row = row.clone()
+    row[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return row
+
+
+def _filter(row: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if 0 < top_k < row.numel():
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_vals, order = torch.sort(row, descending=True)
+        cum = torch.softmax(sorted_vals, -1).cumsum(-1)
+        # Drop a token once the mass before it already reaches top_p (the top token always stays).
+        drop = (cum - torch.softmax(sorted_vals, -1)) >= top_p
+        row = row.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), float("-inf"))
+    return row
+
+
+def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | None]]:
+    """logits [B, V] float32, one row per sequence -> (token ids, logprobs).
+
+    The logprob is the chosen token's under the model's raw distribution
+    (before penalty, temperature and truncation), or None if not asked for."""
+    tokens, logprobs = [], []
+    raw = torch.log_softmax(logits.float(), -1) if any(s.sampling.logprobs for s in seqs) else None
+    for i, seq in enumerate(seqs):
+        p: SamplingParams = seq.sampling
+        row = logits[i].float()
+        if p.repetition_penalty != 1.0:
+            row = _penalise(row, seq.tokens, p.repetition_penalty)
+        if p.temperature == 0.0:
+            tok = int(torch.argmax(row))
+        else:
+            row = _filter(row / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(row, -1)
+            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
+        tokens.append(tok)
+        logprobs.append(float(raw[i, tok]) if p.logprobs else None)
+    return tokens, logprobs

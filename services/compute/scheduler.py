@@ -1,0 +1,96 @@
+"""Continuous batching: who runs in the next step, and with how many tokens.
+
+Every step mixes, in one forward, one decode token for every running sequence
+past its prompt and prefill chunks of sequences still in their prompt (at most
+``prefill_chunk`` prompt tokens per step in total, so a long prompt never
+stalls the decodes). Sequences join and leave between steps.
+
+Admission is by reservation: a sequence reserves the most pages it can ever
+hold (its budgeted footprint), so a running sequence never runs out of pages
+and nothing is ever preempted. When admitting would push reservations past
+``cleanup_threshold`` of the pool, running budgets are first shrunk toward
+their floor (DESIGN protocol 6); a request that still does not fit waits.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from services.compute.eviction import shrink_budget
+from services.compute.kv_pool import KVPool
+from services.compute.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, rows: int, max_num_seqs: int, prefill_chunk: int,
+                 cleanup_threshold: float):
+        self.pool, self.rows = pool, rows   # rows = layers x kv-heads: pages per block
+        self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.cleanup_threshold = cleanup_threshold
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.budget_shrinks = 0
+
+    def reservation(self, seq: Sequence) -> int:
+        """Pages ``seq`` may hold from now on (see eviction_round for the bounds)."""
+        st, bs = seq.eviction, seq.block_size
+        dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / bs)
+        if st.budget_blocks is None:
+            blocks = dense
+        elif seq.in_prefill:
+            blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
+        else:
+            blocks = min(dense, max(st.budget_blocks + st.slack_blocks, seq.num_blocks))
+        return blocks * self.rows
+
+    def reserved(self) -> int:
+        return sum(self.reservation(s) for s in self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if self.reservation(seq) > self.pool.capacity:
+            raise ValueError(f"request needs up to {self.reservation(seq)} KV pages, the pool has "
+                             f"{self.pool.capacity}: lower max_tokens or set a smaller budget")
+        self.waiting.append(seq)
+
+    def _shrink_one(self) -> bool:
+        for seq in sorted(self.running, key=lambda s: -(s.eviction.budget_blocks or 0)):
+            if shrink_budget(seq, self.pool):
+                self.budget_shrinks += 1
+                return True
+        return False
+
+    def _admit(self) -> None:
+        cap = self.pool.capacity
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.reservation(seq)
+            while self.reserved() + need > self.cleanup_threshold * cap and self._shrink_one():
+                pass
+            if self.reserved() + need > cap:
+                return
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        self._admit()
+        batch, chunk_left = [], self.prefill_chunk
+        for seq in self.running:
+            todo = seq.num_tokens - seq.num_cached
+            if not seq.in_prefill:
+                batch.append((seq, todo))
+            elif chunk_left > 0:
+                t = min(todo, chunk_left)
+                chunk_left -= t
+                batch.append((seq, t))
+        return batch
+
+    def remove(self, seq: Sequence) -> None:
+        """Finish or abort: its pages go back to the pool now."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.pool.free(seq.pages())
+        seq.page_table = seq.page_table[:, :, :0]
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,141 @@
+"""One request inside the engine: its tokens, its page tables and the
+per-block statistics the eviction policies rank by.
+
+Every per-block tensor is rectangular ``[L, Hkv, NB]`` (+ trailing dims) and its
+columns stay aligned with ``page_table``: ``append_blocks`` adds columns,
+``keep_columns`` compacts them after an eviction round.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+# Decode-time SnapKV observation window: how many of the latest queries' block
+# mass each sequence remembers (a ring buffer).
+SNAPKV_WINDOW = 8
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class EvictionState:
+    """Resolved eviction settings of one sequence (all in blocks except recent)."""
+    policy: str
+    budget_blocks: int | None      # None: dense, never evicts
+    floor_blocks: int              # smallest budget cleanup may shrink to
+    sink_blocks: int
+    recent: int                    # tokens
+    slack_blocks: int = 0          # learned only: overrun allowed while waiting for a plan
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: object               # SamplingParams
+    eviction: EvictionState
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    device: torch.device | str = "cpu"
+    max_pages: int = 0             # reservation: the most pages this sequence can ever hold
+    output_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_cached: int = 0            # tokens whose K/V are in pages
+    finish_reason: str | None = None
+    aborted: bool = False
+    # counters
+    evicted_blocks: int = 0        # summed over (layer, kv-head) rows
+    fallback_evictions: int = 0
+    eviction_rounds: int = 0
+    # feature bookkeeping (logical block numbers, exclusive upper bounds)
+    feat_upto: int = 0
+    sent_upto: int = 0
+    pending_plan: object | None = None
+    # set by the engine
+    policy: object | None = None   # Policy that ranks blocks (the fallback for "learned")
+    generator: object | None = None
+    decoder: object | None = None  # IncrementalDecoder
+    text: str = ""                 # decoded output so far
+    emitted: int = 0               # chars of ``text`` already streamed (stop-string holdback)
+
+    def __post_init__(self):
+        L, H, dev = self.num_layers, self.num_kv_heads, self.device
+        self.tokens: list[int] = list(self.prompt_ids)
+        self.page_table = torch.zeros(L, H, 0, dtype=torch.int32, device=dev)
+        self.block_index = torch.zeros(L, H, 0, dtype=torch.int32, device=dev)
+        self.acc_mass = torch.zeros(L, H, 0, device=dev)           # h2o
+        self.last_mass = torch.zeros(L, H, 0, device=dev)          # tova
+        self.win_mass = torch.zeros(L, H, 0, SNAPKV_WINDOW, device=dev)  # snapkv ring
+        self.win_ptr = 0
+        self.key_mean = torch.zeros(L, H, 0, self.head_dim, device=dev)
+        self.value_norm = torch.zeros(L, H, 0, device=dev)
+
+    # -- token bookkeeping --------------------------------------------------
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.page_table.shape[2]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < self.num_prompt
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.tokens.append(token_id)
+        self.output_ids.append(token_id)
+
+    # -- columns ------------------------------------------------------------
+    def append_blocks(self, pages: torch.Tensor, first_block: int) -> None:
+        """Add ``k`` newest blocks (logical ``first_block ...``) to every row."""
+        L, H, k = pages.shape
+        idx = torch.arange(first_block, first_block + k, dtype=torch.int32,
+                           device=self.page_table.device).expand(L, H, k)
+        self.page_table = torch.cat([self.page_table, pages.to(self.page_table.device)], 2)
+        self.block_index = torch.cat([self.block_index, idx], 2)
+        z = lambda t: torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2)
+        self.acc_mass, self.last_mass = z(self.acc_mass), z(self.last_mass)
+        self.win_mass, self.key_mean, self.value_norm = z(self.win_mass), z(self.key_mean), z(self.value_norm)
+
+    def keep_columns(self, keep: torch.Tensor) -> None:
+        """Compact every row to the columns ``keep[L, Hkv, K]`` (ascending)."""
+        keep = keep.long()
+        g = lambda t: t.gather(2, keep) if t.dim() == 3 else \
+            t.gather(2, keep[..., None].expand(*keep.shape, t.shape[3]))
+        self.page_table, self.block_index = g(self.page_table), g(self.block_index)
+        self.acc_mass, self.last_mass = g(self.acc_mass), g(self.last_mass)
+        self.win_mass, self.key_mean, self.value_norm = g(self.win_mass), g(self.key_mean), g(self.value_norm)
+
+    # -- statistics ---------------------------------------------------------
+    def observe(self, acc: torch.Tensor, last: torch.Tensor, window: torch.Tensor) -> None:
+        """Fold in the block mass of the latest queries (aggregated over the
+        query heads of each kv-head): ``acc[L, Hkv, NB]`` summed over all of
+        them, ``last[L, Hkv, NB]`` of the newest, ``window[L, Hkv, q, NB]``
+        of the newest ``q`` in order."""
+        self.acc_mass += acc
+        self.last_mass = last.clone()
+        q = min(window.shape[2], SNAPKV_WINDOW)
+        slots = (self.win_ptr + torch.arange(q, device=window.device)) % SNAPKV_WINDOW
+        self.win_mass.index_copy_(3, slots, window[:, :, -q:].permute(0, 1, 3, 2).contiguous())
+        self.win_ptr = (self.win_ptr + q) % SNAPKV_WINDOW
+
+    def pages(self) -> torch.Tensor:
+        return self.page_table.reshape(-1)
