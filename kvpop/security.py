@@ -1,0 +1,238 @@
+"""TLS and a shared bearer token for the internal gRPC APIs.
+
+Configuration (environment; all optional, all off by default):
+
+| variable | server side | client side |
+| --- | --- | --- |
+| `KVPOP_TLS_CERT`, `KVPOP_TLS_KEY` | PEM files: serve TLS with this certificate | presented as the client certificate (mTLS) |
+| `KVPOP_TLS_CA` | PEM file: require client certificates signed by it (mTLS) | trust root for the server's certificate; setting it turns TLS on |
+| `KVPOP_TLS_SERVER_NAME` | — | name expected in the server's certificate when it differs from the address |
+| `KVPOP_INTERNAL_TOKEN` | reject calls without `authorization: Bearer <token>` (UNAUTHENTICATED) | send it on every call |
+
+One internal CA signing a certificate per service, with all four variables set
+in every service, gives mutual TLS plus the token. The token alone (no TLS)
+keeps strangers on a private network out but travels in clear text.
+`grpc.health.v1.Health` is exempt from the token, so health probes need no
+secret; with TLS they still need the CA (the probe reads the same variables).
+"""
+from __future__ import annotations
+
+import hmac
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import grpc
+import grpc.aio
+
+ENV_TOKEN = "KVPOP_INTERNAL_TOKEN"
+ENV_CERT = "KVPOP_TLS_CERT"
+ENV_KEY = "KVPOP_TLS_KEY"
+ENV_CA = "KVPOP_TLS_CA"
+ENV_SERVER_NAME = "KVPOP_TLS_SERVER_NAME"
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+class SecurityConfigError(ValueError):
+    """The TLS/token environment is inconsistent or names unreadable files."""
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    token: str | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    ca: bytes | None = None
+    server_name: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "SecurityConfig":
+        env = os.environ if env is None else env
+
+        def pem(var: str) -> bytes | None:
+            path = env.get(var) or None
+            if path is None:
+                return None
+            try:
+                return Path(path).read_bytes()
+            except OSError as e:
+                raise SecurityConfigError(f"{var}={path}: cannot read ({e.strerror})") from e
+
+        cert, key = pem(ENV_CERT), pem(ENV_KEY)
+        if (cert is None) != (key is None):
+            raise SecurityConfigError(f"set both {ENV_CERT} and {ENV_KEY}, or neither")
+        return cls(token=env.get(ENV_TOKEN) or None, cert=cert, key=key, ca=pem(ENV_CA),
+                   server_name=env.get(ENV_SERVER_NAME) or None)
+
+    @property
+    def server_tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def client_tls(self) -> bool:
+        return self.ca is not None or self.cert is not None
+
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+# ---- server side ---------------------------------------------------------
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls whose `authorization` metadata is not `Bearer <token>`."""
+
+    def __init__(self, token: str, exempt_prefixes: Sequence[str] = EXEMPT_PREFIXES):
+        self._expected = f"Bearer {token}".encode()
+        self._exempt = tuple(exempt_prefixes)
+
+    def _authorised(self, details: grpc.HandlerCallDetails) -> bool:
+        if details.method.startswith(self._exempt):
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or self._authorised(handler_call_details):
+            return handler
+        return _unauthenticated(handler)
+
+
+def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def deny(_request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong bearer token (KVPOP_INTERNAL_TOKEN)")
+
+    # No request deserializer: a rejected caller's bytes are never parsed.
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(deny, None, handler.response_serializer)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(deny, None, handler.response_serializer)
+    return grpc.stream_stream_rpc_method_handler(deny, None, handler.response_serializer)
+
+
+def server_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ServerInterceptor]:
+    return [TokenAuthInterceptor(cfg.token)] if cfg.token else []
+
+
+def server_credentials(cfg: SecurityConfig) -> grpc.ServerCredentials | None:
+    if not cfg.server_tls:
+        return None
+    return grpc.ssl_server_credentials([(cfg.key, cfg.cert)], root_certificates=cfg.ca,
+                                       require_client_auth=cfg.ca is not None)
+
+
+def add_port(server: grpc.aio.Server, address: str, cfg: SecurityConfig) -> int:
+    """Bind `address` with TLS when configured; returns the bound port."""
+    creds = server_credentials(cfg)
+    if creds is None:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, creds)
+
+
+# ---- client side ---------------------------------------------------------
+
+class _TokenMetadata(grpc.AuthMetadataPlugin):
+    def __init__(self, token: str):
+        self._md = (("authorization", f"Bearer {token}"),)
+
+    def __call__(self, context, callback):
+        callback(self._md, None)
+
+
+def channel_credentials(cfg: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """TLS credentials (with the token as call credentials), or None for plaintext."""
+    if not cfg.client_tls:
+        return None
+    creds = grpc.ssl_channel_credentials(root_certificates=cfg.ca, private_key=cfg.key,
+                                         certificate_chain=cfg.cert)
+    if cfg.token:
+        creds = grpc.composite_channel_credentials(
+            creds, grpc.metadata_call_credentials(_TokenMetadata(cfg.token), name="kvpop-token"))
+    return creds
+
+
+def _with_token(details: grpc.aio.ClientCallDetails, md: tuple) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + md))
+    return details._replace(metadata=metadata)
+
+
+class _TokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, md):
+        self.md = md
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_token(details, self.md), request)
+
+
+class _TokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, md):
+        self.md = md
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_token(details, self.md), request)
+
+
+class _TokenStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, md):
+        self.md = md
+
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(_with_token(details, self.md), request_iterator)
+
+
+class _TokenStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, md):
+        self.md = md
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(_with_token(details, self.md), request_iterator)
+
+
+def client_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ClientInterceptor]:
+    """Token interceptors for a plaintext channel (TLS channels carry the
+    token as call credentials instead, which gRPC refuses on plaintext)."""
+    if not cfg.token or cfg.client_tls:
+        return []
+    md = cfg.call_metadata()
+    return [_TokenUnaryUnary(md), _TokenUnaryStream(md), _TokenStreamUnary(md),
+            _TokenStreamStream(md)]
+
+
+def _options(cfg: SecurityConfig, options: Sequence[tuple[str, object]]) -> list:
+    opts = list(options)
+    if cfg.server_name and cfg.client_tls:
+        opts.append(("grpc.ssl_target_name_override", cfg.server_name))
+    return opts
+
+
+def aio_channel(address: str, cfg: SecurityConfig | None = None,
+                options: Sequence[tuple[str, object]] = (),
+                interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    """An asyncio channel to an internal API, secured as `cfg` (default: env) says."""
+    cfg = SecurityConfig.from_env() if cfg is None else cfg
+    creds = channel_credentials(cfg)
+    chain = list(interceptors) + client_interceptors(cfg)
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=_options(cfg, options),
+                                         interceptors=chain or None)
+    return grpc.aio.secure_channel(address, creds, options=_options(cfg, options),
+                                   interceptors=chain or None)
+
+
+def sync_channel(address: str, cfg: SecurityConfig | None = None,
+                 options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A blocking channel (health probes, scripts). Plaintext channels carry
+    no token: health checks are exempt from it."""
+    cfg = SecurityConfig.from_env() if cfg is None else cfg
+    creds = channel_credentials(cfg)
+    if creds is None:
+        return grpc.insecure_channel(address, options=_options(cfg, options))
+    return grpc.secure_channel(address, creds, options=_options(cfg, options))
