@@ -97,6 +97,9 @@ class GatewayConfig(ServerConfig):
     compute_address: str = setting("KVPOP_COMPUTE_ADDRESS", "127.0.0.1:50052", "host:port of compute")
     redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for sessions ('' = sessions not stored)")
     default_policy: str = setting("KVPOP_DEFAULT_POLICY", "learned", "policy when a request names none")
+    default_budget: str = setting("KVPOP_DEFAULT_BUDGET", "0.25",
+                                  "kv budget when a request sets none: tokens ('512'), a fraction "
+                                  "('0.25') or '' (then every policy but dense needs one)")
     max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
                                     "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
     max_tokens_limit: int = setting("KVPOP_MAX_TOKENS_LIMIT", 4096,
@@ -109,8 +112,22 @@ class GatewayConfig(ServerConfig):
         super().validate()
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("KVPOP_DEFAULT_MAX_TOKENS must be in [1, KVPOP_MAX_TOKENS_LIMIT]")
+        if self.default_budget:
+            try:
+                v = self.budget()
+            except ValueError:
+                raise ConfigError(f"KVPOP_DEFAULT_BUDGET={self.default_budget!r}: not a number") from None
+            if (isinstance(v, float) and not 0 < v <= 1) or (isinstance(v, int) and v < 1):
+                raise ConfigError("KVPOP_DEFAULT_BUDGET: a fraction in (0, 1] or tokens >= 1")
         if self.max_prompt_chars < 1 or self.session_ttl_s < 1:
             raise ConfigError("KVPOP_MAX_PROMPT_CHARS and KVPOP_SESSION_TTL_S must be >= 1")
+
+
+    def budget(self) -> int | float | None:
+        b = self.default_budget.strip()
+        if not b:
+            return None
+        return float(b) if any(c in b for c in ".eE") else int(b)
 
 
 C = TypeVar("C", bound=ServerConfig)

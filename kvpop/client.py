@@ -1,0 +1,113 @@
+"""`kvpop generate "PROMPT"`: stream a completion from a running gateway,
+printing text as tokens arrive and a one-line usage summary on stderr.
+Only the generated stubs and grpc are needed (no torch)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from kvpop.launcher import STATE_FILE, default_state_dir
+
+
+def gateway_address(args: argparse.Namespace) -> str:
+    if args.address:
+        return args.address
+    if os.environ.get("KVPOP_GATEWAY_ADDRESS"):
+        return os.environ["KVPOP_GATEWAY_ADDRESS"]
+    path = (args.state_dir.resolve() if args.state_dir else default_state_dir()) / STATE_FILE
+    try:
+        return json.loads(path.read_text())["gateway"]
+    except (OSError, ValueError, KeyError):
+        raise SystemExit(f"kvpop generate: no running stack found ({path}); start one with `kvpop up` "
+                         f"or pass --address HOST:PORT") from None
+
+
+def build_request(args: argparse.Namespace):
+    from kvpop.pb import generate_pb2
+
+    req = generate_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop or [], ignore_eos=args.ignore_eos,
+                                       logprobs=args.logprobs, policy=args.policy or "",
+                                       session_id=args.session or "", request_id=args.request_id or "")
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(req, name, value)
+    if args.kv_budget is not None:
+        b = args.kv_budget
+        try:
+            if any(c in b for c in ".eE"):
+                req.budget_fraction = float(b)
+            else:
+                req.budget_tokens = int(b)
+        except ValueError:
+            raise SystemExit(f"kvpop generate: --kv-budget must be tokens (512) or a fraction (0.25), got {b!r}") \
+                from None
+    return req
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", action="store_true")
+    p.add_argument("--policy", help="eviction policy (default: the server's)")
+    p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
+    p.add_argument("--session", help="session id (stored in Redis)")
+    p.add_argument("--request-id")
+    p.add_argument("--address", help="gateway HOST:PORT (default: from .kvpop/stack.json)")
+    p.add_argument("--state-dir", type=Path, default=None, help="state folder of `kvpop up` (default .kvpop)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvpop.pb import generate_pb2_grpc
+
+    address = gateway_address(args)
+    req = build_request(args)
+    t0 = time.monotonic()
+    first = None
+    with grpc.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.KVpopStub(channel)
+        call = stub.Generate(req, timeout=args.timeout)
+        try:
+            for resp in call:
+                kind = resp.WhichOneof("kind")
+                if kind == "chunk":
+                    if first is None:
+                        first = time.monotonic() - t0
+                    sys.stdout.write(resp.chunk.text)
+                    sys.stdout.flush()
+                elif kind == "finished":
+                    f, u = resp.finished, resp.finished.usage
+                    dt = time.monotonic() - t0
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                    rate = u.completion_tokens / dt if dt > 0 else 0.0
+                    print(f"[{f.finish_reason_text or 'done'}] prompt {u.prompt_tokens} tok, completion "
+                          f"{u.completion_tokens} tok, policy {u.policy}, kv blocks resident "
+                          f"{u.kv_blocks_resident} evicted {u.kv_blocks_evicted} (fallback "
+                          f"{u.fallback_evictions}), ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s",
+                          file=sys.stderr)
+        except grpc.RpcError as e:
+            if first is not None:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"kvpop generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            call.cancel()
+            print("\nkvpop generate: cancelled", file=sys.stderr)
+            return 130
+    return 0

@@ -1,0 +1,258 @@
+"""`kvpop up`: start redis (unless --redis-url), cache-manager, compute and
+gateway as detached processes on free ports, wait until each reports SERVING on
+grpc.health.v1, print the gateway address.
+
+State lives in `<state dir>/stack.json` (default `.kvpop/`, or KVPOP_STATE_DIR),
+logs in `<state dir>/logs/<service>.log`. `kvpop down` reads the state.
+The integration tests start their stacks through `start_stack` too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvpop.paths import REPO_ROOT
+
+STATE_FILE = "stack.json"
+SERVICES = ("cache-manager", "compute", "gateway")
+_MODULES = {"cache-manager": "services.cache_manager", "compute": "services.compute", "gateway": "services.gateway"}
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("KVPOP_STATE_DIR", ".kvpop")).resolve()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def proc_start_time(pid: int) -> str | None:
+    """Kernel start time of pid: tells our process apart from a later one reusing its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+@dataclass
+class Proc:
+    name: str
+    pid: int
+    address: str
+    log: str
+    cmd: list[str]
+    started: str | None = None
+
+    def alive(self) -> bool:
+        return self.started is not None and proc_start_time(self.pid) == self.started
+
+
+@dataclass
+class Stack:
+    state_dir: str
+    gateway: str = ""
+    redis_url: str = ""
+    processes: list[Proc] = field(default_factory=list)
+
+    def save(self) -> None:
+        path = Path(self.state_dir) / STATE_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, state_dir: Path) -> "Stack | None":
+        path = Path(state_dir) / STATE_FILE
+        if not path.is_file():
+            return None
+        raw = json.loads(path.read_text())
+        return cls(state_dir=raw["state_dir"], gateway=raw.get("gateway", ""), redis_url=raw.get("redis_url", ""),
+                   processes=[Proc(**p) for p in raw.get("processes", [])])
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.processes if p.name == name)
+
+
+def _spawn(stack: Stack, name: str, cmd: list[str], address: str, env: dict[str, str]) -> Proc:
+    logs = Path(stack.state_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{name}.log"
+    with open(log_path, "ab") as log:
+        # Own session: the stack outlives `kvpop up`, and down signals the whole group.
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             cwd=REPO_ROOT, env=env, start_new_session=True)
+    proc = Proc(name, p.pid, address, str(log_path), cmd, proc_start_time(p.pid))
+    stack.processes.append(proc)
+    stack.save()
+    return proc
+
+
+def log_tail(proc: Proc, lines: int = 15) -> str:
+    try:
+        text = Path(proc.log).read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def _died(proc: Proc) -> bool:
+    if not proc.alive():
+        return True
+    # A zombie (our own child that exited) still has its /proc entry.
+    try:
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvpop.security import sync_channel
+
+    with sync_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _wait_redis(proc: Proc, port: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        if _died(proc):
+            raise LaunchError(f"redis-server exited; log {proc.log}:\n{log_tail(proc)}")
+        time.sleep(0.05)
+    raise LaunchError(f"redis-server did not answer PING; log {proc.log}")
+
+
+def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | None = None,
+                port: int | None = None, host: str = "127.0.0.1", policy: str | None = None,
+                service_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
+                timeout: float = 180.0, progress=None) -> Stack:
+    """Start everything and wait for SERVING; on failure stop what was started and raise LaunchError."""
+    state_dir = Path(state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    old = Stack.load(state_dir)
+    if old is not None and any(p.alive() for p in old.processes):
+        raise LaunchError(f"a stack is already running from {state_dir} (gateway {old.gateway}); "
+                          f"run `kvpop down` first")
+    say = progress or (lambda msg: None)
+    stack = Stack(state_dir=str(state_dir))
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+    extra = service_args or {}
+    deadline = time.monotonic() + timeout
+    try:
+        if not redis_url:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise LaunchError("redis-server not found on PATH (run scripts/setup.sh or pass --redis-url)")
+            rport = free_port()
+            rdir = state_dir / "redis"
+            rdir.mkdir(exist_ok=True)
+            rproc = _spawn(stack, "redis", [exe, "--port", str(rport), "--bind", "127.0.0.1", "--dir", str(rdir),
+                                            "--save", "", "--appendonly", "yes"],
+                           f"127.0.0.1:{rport}", child_env)
+            _wait_redis(rproc, rport, deadline)
+            redis_url = f"redis://127.0.0.1:{rport}/0"
+            say(f"redis      {redis_url}")
+        stack.redis_url = redis_url
+        ports = {"cache-manager": free_port(), "compute": free_port(), "gateway": port or free_port()}
+        addr = {n: f"{host}:{p}" for n, p in ports.items()}
+        # Clients reach a 0.0.0.0 listener through loopback.
+        dial = {n: f"127.0.0.1:{p}" if host in ("0.0.0.0", "::") else addr[n] for n, p in ports.items()}
+        py = [sys.executable, "-m"]
+        cmds = {
+            "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host],
+            "compute": [*py, _MODULES["compute"], "--port", str(ports["compute"]), "--host", host,
+                        "--cache-manager-address", dial["cache-manager"],
+                        *(["--model", str(Path(model).resolve())] if model else [])],
+            "gateway": [*py, _MODULES["gateway"], "--port", str(ports["gateway"]), "--host", host,
+                        "--compute-address", dial["compute"], "--redis-url", redis_url,
+                        *(["--default-policy", policy] if policy else [])],
+        }
+        procs = {n: _spawn(stack, n, [*cmds[n], *extra.get(n, [])], dial[n], child_env) for n in SERVICES}
+        stack.gateway = dial["gateway"]
+        stack.save()
+        waiting = list(SERVICES)
+        while waiting:
+            for name in list(waiting):
+                p = procs[name]
+                if _died(p):
+                    raise LaunchError(f"{name} exited during start; log {p.log}:\n{log_tail(p)}")
+                if _serving(p.address):
+                    say(f"{name:<14} SERVING on {p.address}")
+                    waiting.remove(name)
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(waiting)
+                logs = ", ".join(procs[n].log for n in waiting)
+                raise LaunchError(f"{names} not SERVING after {timeout:.0f}s; see {logs}")
+            if waiting:
+                time.sleep(0.1)
+    except BaseException:
+        from kvpop.launcher_down import stop_stack
+
+        stop_stack(stack)
+        raise
+    return stack
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model folder (Hugging Face layout); default: the embedded model")
+    p.add_argument("--redis-url", help="use this Redis instead of starting one")
+    p.add_argument("--port", type=int, help="gateway port (default: a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the services")
+    p.add_argument("--policy", help="default eviction policy of the gateway")
+    p.add_argument("--budget", help="default kv budget: tokens ('512') or a fraction ('0.25')")
+    p.add_argument("--device", help="compute device: cpu, cuda, auto")
+    p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
+    p.add_argument("--block-size", type=int, help="KV block size in positions")
+    p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir.resolve() if args.state_dir else default_state_dir()
+    compute = []
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--block-size", args.block_size)):
+        if value is not None:
+            compute += [flag, str(value)]
+    gateway = ["--default-budget", args.budget] if args.budget is not None else []
+    try:
+        stack = start_stack(state_dir, model=args.model, redis_url=args.redis_url, port=args.port, host=args.host,
+                            policy=args.policy, service_args={"compute": compute, "gateway": gateway},
+                            timeout=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except LaunchError as e:
+        print(f"kvpop up: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvpop up: interrupted; stopped what had started", file=sys.stderr)
+        return 130
+    print(f"logs and state in {state_dir}", file=sys.stderr)
+    print(stack.gateway)
+    return 0

@@ -1,0 +1,148 @@
+"""Session metadata in Redis.
+
+Keys (all under `kvpop:v1:`, values JSON):
+
+- `kvpop:v1:session:<id>` — string, JSON object
+  `{"session_id", "model", "replica", "budget", "turns", "created_at", "last_used"}`
+  (`budget`: the request's kv budget as `{"tokens": n}` or `{"fraction": f}` or
+  null; times are Unix seconds).
+- `kvpop:v1:session:<id>:turns` — list, one JSON object per turn, oldest first:
+  `{"request_id", "prompt", "completion", "prompt_token_ids", "completion_token_ids",
+  "finish_reason", "at"}`. The token history of the session is the
+  concatenation of every turn's prompt and completion token ids.
+
+Both keys expire `ttl_s` after the session's last use. A Redis outage must
+never fail a stream: `record_turn` that cannot reach Redis keeps the turn in
+memory and `flush_pending` (run periodically) writes it later, in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from kvpop.redis_client import KEY_PREFIX, RedisUnavailable, connect, unavailable_as
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
+
+
+def session_key(session_id: str) -> str:
+    return f"{KEY_PREFIX}session:{session_id}"
+
+
+def turns_key(session_id: str) -> str:
+    return f"{KEY_PREFIX}session:{session_id}:turns"
+
+
+@dataclass
+class Turn:
+    request_id: str
+    prompt: str
+    completion: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    completion_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Session:
+    session_id: str
+    model: str = ""
+    replica: str = ""
+    budget: dict | None = None
+    turns: int = 0
+    created_at: float = 0.0
+    last_used: float = 0.0
+
+
+class SessionStore:
+    def __init__(self, url: str, ttl_s: int = 86400, timeout_s: float = 0.5):
+        self.redis = connect(url, timeout_s=timeout_s)
+        self.ttl_s = ttl_s
+        self._pending: deque[tuple[Session, Turn]] = deque()
+        self._lock = asyncio.Lock()
+
+    async def get(self, session_id: str) -> Session | None:
+        async with unavailable_as("reading session"):
+            raw = await self.redis.get(session_key(session_id))
+        return None if raw is None else Session(**json.loads(raw))
+
+    async def history(self, session_id: str) -> list[Turn]:
+        async with unavailable_as("reading session turns"):
+            raw = await self.redis.lrange(turns_key(session_id), 0, -1)
+        return [Turn(**json.loads(t)) for t in raw]
+
+    async def _write(self, meta: Session, turn: Turn) -> None:
+        key = session_key(meta.session_id)
+        async with unavailable_as("writing session"):
+            old = await self.redis.get(key)
+            if old is not None:
+                prev = json.loads(old)
+                meta.created_at = prev.get("created_at") or meta.created_at
+                meta.turns = int(prev.get("turns", 0)) + 1
+            else:
+                meta.turns = 1
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, json.dumps(asdict(meta)), ex=self.ttl_s)
+                pipe.rpush(turns_key(meta.session_id), json.dumps(asdict(turn)))
+                pipe.expire(turns_key(meta.session_id), self.ttl_s)
+                await pipe.execute()
+
+    async def record_turn(self, session_id: str, turn: Turn, *, model: str = "", replica: str = "",
+                          budget: dict | None = None) -> bool:
+        """Append a turn and refresh the session; False if it was queued for later."""
+        now = time.time()
+        meta = Session(session_id=session_id, model=model, replica=replica, budget=budget,
+                       created_at=now, last_used=now)
+        async with self._lock:
+            # Earlier turns that are still waiting go first, so turns stay in order.
+            if self._pending or not await self._try_write(meta, turn):
+                self._queue(meta, turn)
+                return False
+        return True
+
+    async def _try_write(self, meta: Session, turn: Turn) -> bool:
+        try:
+            await self._write(meta, turn)
+            return True
+        except RedisUnavailable as e:
+            log.warning("session %s not stored yet: %s", meta.session_id, e)
+            return False
+
+    def _queue(self, meta: Session, turn: Turn) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            dropped, _ = self._pending.popleft()
+            log.error("session store backlog full: dropped a turn of session %s", dropped.session_id)
+        self._pending.append((meta, turn))
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def flush_pending(self) -> int:
+        """Write queued turns in order; stops at the first failure. Returns how many were written."""
+        written = 0
+        async with self._lock:
+            while self._pending:
+                meta, turn = self._pending[0]
+                if not await self._try_write(meta, turn):
+                    break
+                self._pending.popleft()
+                written += 1
+        return written
+
+    async def ping(self) -> bool:
+        try:
+            async with unavailable_as("ping"):
+                return bool(await self.redis.ping())
+        except RedisUnavailable:
+            return False
+
+    async def close(self) -> None:
+        await self.redis.aclose()

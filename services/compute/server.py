@@ -1,0 +1,186 @@
+"""Compute gRPC service: the engine behind the narrow internal API.
+
+Each Generate stream is one engine request; when the gateway cancels the call
+(client gone, deadline) the engine iterator is closed, which aborts the
+sequence and frees its pages at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import grpc
+import torch
+
+from kvpop import telemetry
+from kvpop.config import ComputeConfig
+from kvpop.grpc_server import GrpcService
+from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
+           "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    # CPU matmuls in bf16 are slow and gain nothing here; GPUs get the checkpoint's dtype.
+    if dtype == "auto" and device == "cpu":
+        return "float32"
+    return dtype
+
+
+class ComputeServicer(compute_pb2_grpc.ComputeServicer):
+    def __init__(self, cfg: ComputeConfig):
+        self.cfg = cfg
+        self.engine = None          # AsyncEngine once ready
+        self.advisor = None
+        self.model_info: generate_pb2.ModelInfo | None = None
+        self.replica_id = cfg.replica_id or f"{cfg.host}:{cfg.port}"
+
+    def load(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Load the model and start the engine (runs in a worker thread)."""
+        from services.compute.advisor_client import AdvisorClient
+        from services.compute.async_engine import AsyncEngine
+        from services.compute.engine import EngineConfig
+        from services.compute.policies import POLICY_NAMES
+
+        cfg = self.cfg
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype_name(cfg.dtype, device)
+        ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
+                          num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs)
+        if cfg.max_model_len is not None:
+            ec.max_model_len = cfg.max_model_len
+        if cfg.cache_manager_address:
+            self.advisor = AdvisorClient(cfg.cache_manager_address, loop)
+        self.engine = AsyncEngine(ec, advisor=self.advisor)
+        eng = self.engine.engine
+        mc = eng.model.config
+        raw = json.loads((Path(cfg.model) / "config.json").read_text())
+        self.model_info = generate_pb2.ModelInfo(
+            name=Path(cfg.model).resolve().name, architecture=mc.architecture, num_layers=mc.num_layers,
+            num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+            max_model_len=eng.max_model_len, block_size=cfg.block_size, policies=list(POLICY_NAMES),
+            placeholder=bool(raw.get("kvpop_placeholder", False)), vocab_size=mc.vocab_size,
+            dtype=str(eng.model.dtype).removeprefix("torch."), device=device)
+        log.info("model %s loaded (%s, %s on %s, %d pages)", cfg.model, mc.architecture,
+                 self.model_info.dtype, device, eng.pool.capacity)
+
+    # ------------------------------------------------------------ RPCs
+    async def Info(self, request, context):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        stats = await asyncio.to_thread(self.engine.stats)
+        evictions = stats.get("evictions", {})
+        ps = compute_pb2.PoolStats(
+            pages_total=stats["pages_total"], pages_free=stats["pages_free"], pages_used=stats["pages_used"],
+            running=stats["running"], waiting=stats["waiting"],
+            evictions=sum(evictions.values()) if isinstance(evictions, dict) else int(evictions),
+            fallback_evictions=stats["fallback_evictions"])
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                ps.extra[k] = float(v)
+        if self.advisor is not None:
+            for k, v in self.advisor.stats.items():
+                ps.extra[f"advisor_{k}"] = float(v)
+        return compute_pb2.InfoResponse(model=self.model_info, stats=ps, replica_id=self.replica_id,
+                                        advisor_connected=bool(self.advisor and self.advisor.connected))
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        from services.compute.async_engine import EngineError
+        from services.compute.engine import EvictionParams, SamplingParams
+
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        eng = self.engine.engine
+        ids = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt)
+        limit = eng.max_model_len
+        if len(ids) >= limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prompt is {len(ids)} tokens; the model's max length is {limit}")
+        s = request.sampling
+        sampling = SamplingParams(
+            # Room left in the model's length ends the stream with "length", not an error.
+            max_tokens=max(1, min(s.max_tokens, limit - len(ids))), temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k, seed=s.seed if s.has_seed else None, repetition_penalty=s.repetition_penalty,
+            stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+        ev = request.eviction
+        which = ev.WhichOneof("budget")
+        budget = ev.budget_tokens if which == "budget_tokens" else ev.budget_fraction if which else None
+        eviction = EvictionParams(policy=ev.policy or "dense", budget=budget)
+        rid = request.request_id
+        if self.advisor is not None:
+            self.advisor.set_context(rid, telemetry.inject())
+        stream = self.engine.generate(rid, ids, sampling, eviction)
+        first = True
+        try:
+            async for out in stream:
+                resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
+                if first:
+                    resp.prompt_token_ids.extend(ids)
+                    first = False
+                r = resp.response
+                if out.token_id is not None or out.text_delta:
+                    r.chunk.token_ids.extend([] if out.token_id is None else [out.token_id])
+                    r.chunk.text = out.text_delta
+                    if s.logprobs and out.logprob is not None:
+                        r.chunk.logprobs.append(float(out.logprob))
+                    if out.finished:
+                        yield resp
+                        resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
+                        r = resp.response
+                if out.finished:
+                    if out.finish_reason == "error":
+                        await context.abort(grpc.StatusCode.INTERNAL, "the engine failed on this request")
+                    reason = out.finish_reason or ""
+                    if reason == "stop" and out.token_id in eng.eos_ids and not s.ignore_eos:
+                        reason = "eos"
+                    r.finished.finish_reason = _FINISH.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
+                    r.finished.finish_reason_text = reason
+                    u = out.usage
+                    if u is not None:
+                        r.finished.usage.CopyFrom(generate_pb2.Usage(
+                            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                            kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
+                            policy=u.policy, fallback_evictions=u.fallback_evictions))
+                yield resp
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            # Closing the engine stream early aborts the sequence (pages freed next step).
+            await stream.aclose()
+
+
+class ComputeApp:
+    def __init__(self, servicer: ComputeServicer):
+        self.servicer = servicer
+
+    async def ready(self) -> None:
+        await asyncio.to_thread(self.servicer.load, asyncio.get_running_loop())
+        if self.servicer.advisor is not None:
+            self.servicer.advisor.start()
+
+    async def close(self) -> None:
+        s = self.servicer
+        if s.advisor is not None:
+            await s.advisor.close()
+        if s.engine is not None:
+            await asyncio.to_thread(s.engine.shutdown)
+
+
+async def build(cfg: ComputeConfig, service: GrpcService) -> ComputeApp:
+    servicer = ComputeServicer(cfg)
+    compute_pb2_grpc.add_ComputeServicer_to_server(servicer, service.server)
+    service.add(compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name)
+    return ComputeApp(servicer)

@@ -1,0 +1,162 @@
+"""Gateway: the public KVpop API. Validates, forwards to compute, streams back.
+
+Cancellation and deadlines propagate: the compute call carries the client's
+remaining time and is cancelled when the client goes away, so compute aborts
+the sequence. Sessions are written to Redis after the stream, off the
+response path: a Redis outage delays them (queued, retried), never a stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from kvpop import security, telemetry
+from kvpop.config import GatewayConfig
+from kvpop.grpc_server import GrpcService
+from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.store import SessionStore, Turn
+from services.gateway.validation import Invalid, validate
+
+log = logging.getLogger(__name__)
+
+# Statuses from compute that mean "compute is not there"; the rest pass through.
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+_FINISH_WORDS = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_EOS: "eos",
+                 generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_ABORTED: "aborted"}
+
+
+class GatewayServicer(generate_pb2_grpc.KVpopServicer):
+    def __init__(self, cfg: GatewayConfig, store: SessionStore | None):
+        self.cfg = cfg
+        self.store = store
+        self.channel = security.aio_channel(
+            cfg.compute_address, options=[("grpc.max_receive_message_length", -1)],
+            interceptors=telemetry.client_interceptors())
+        self.compute = compute_pb2_grpc.ComputeStub(self.channel)
+        self.info: compute_pb2.InfoResponse | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def fetch_info(self, timeout: float = 5.0) -> compute_pb2.InfoResponse:
+        self.info = await self.compute.Info(compute_pb2.InfoRequest(), timeout=timeout)
+        return self.info
+
+    async def _model_info(self, context) -> generate_pb2.ModelInfo:
+        if self.info is None:
+            try:
+                await self.fetch_info()
+            except grpc.aio.AioRpcError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"compute at {self.cfg.compute_address} is unavailable: {e.details()}")
+        return self.info.model
+
+    async def GetModelInfo(self, request, context):
+        return await self._model_info(context)
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        info = await self._model_info(context)
+        try:
+            creq = validate(request, self.cfg, info)
+        except Invalid as e:
+            await context.abort(e.code, e.message)
+        remaining = context.time_remaining()
+        call = self.compute.Generate(creq, timeout=remaining)
+        text, ids, prompt_ids, finish = [], [], [], ""
+        try:
+            async for resp in call:
+                if resp.prompt_token_ids:
+                    prompt_ids = list(resp.prompt_token_ids)
+                r = resp.response
+                if r.HasField("chunk"):
+                    text.append(r.chunk.text)
+                    ids.extend(r.chunk.token_ids)
+                elif r.HasField("finished"):
+                    finish = _FINISH_WORDS.get(r.finished.finish_reason, r.finished.finish_reason_text)
+                yield r
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in _UNAVAILABLE:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"compute at {self.cfg.compute_address} is unavailable: {e.details()}")
+            await context.abort(code, e.details() or code.name)
+        finally:
+            # Client cancelled or deadline hit: tell compute so it frees the sequence now.
+            if not call.done():
+                call.cancel()
+        if request.session_id and self.store is not None:
+            turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
+                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
+            self._spawn(self._record(request.session_id, turn, creq.eviction))
+
+    async def _record(self, session_id: str, turn: Turn, ev: compute_pb2.Eviction) -> None:
+        which = ev.WhichOneof("budget")
+        budget = None if which is None else {"tokens": ev.budget_tokens} if which == "budget_tokens" \
+            else {"fraction": ev.budget_fraction}
+        info = self.info
+        await self.store.record_turn(session_id, turn, model=info.model.name if info else "",
+                                     replica=info.replica_id if info else "", budget=budget)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for t in list(self._background):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t, 2.0)
+        await self.channel.close()
+
+
+class GatewayApp:
+    def __init__(self, cfg: GatewayConfig, servicer: GatewayServicer, store: SessionStore | None):
+        self.cfg, self.servicer, self.store = cfg, servicer, store
+        self._flusher: asyncio.Task | None = None
+
+    async def ready(self) -> None:
+        # SERVING only once compute answered: before that every request would fail.
+        delay, last_log = 0.1, 0.0
+        while True:
+            try:
+                info = await self.servicer.fetch_info(timeout=2.0)
+                log.info("compute %s serves %s (%s)", self.cfg.compute_address, info.model.name,
+                         "placeholder weights" if info.model.placeholder else "trained")
+                break
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() - last_log > 10:
+                    log.info("waiting for compute at %s: %s", self.cfg.compute_address, e.code().name)
+                    last_log = time.monotonic()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        if self.store is not None:
+            self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.store.pending:
+                n = await self.store.flush_pending()
+                if n:
+                    log.info("stored %d queued session turns", n)
+
+    async def close(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+        await self.servicer.close()
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.flush_pending()
+            await self.store.close()
+
+
+async def build(cfg: GatewayConfig, service: GrpcService) -> GatewayApp:
+    store = SessionStore(cfg.redis_url, ttl_s=cfg.session_ttl_s) if cfg.redis_url else None
+    if store is None:
+        log.warning("KVPOP_REDIS_URL is not set: sessions are not stored")
+    servicer = GatewayServicer(cfg, store)
+    generate_pb2_grpc.add_KVpopServicer_to_server(servicer, service.server)
+    service.add(generate_pb2.DESCRIPTOR.services_by_name["KVpop"].full_name)
+    return GatewayApp(cfg, servicer, store)

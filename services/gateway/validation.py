@@ -1,0 +1,100 @@
+"""Request validation: every public field checked, one clear gRPC status and
+message per problem; a valid request is resolved into compute's narrow request.
+
+| problem | status |
+| --- | --- |
+| empty prompt; max_tokens < 1 or > KVPOP_MAX_TOKENS_LIMIT; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| prompt longer than KVPOP_MAX_PROMPT_CHARS; message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
+"""
+from __future__ import annotations
+
+import math
+import re
+import uuid
+
+import grpc
+
+from kvpop.config import GatewayConfig
+from kvpop.pb import compute_pb2, generate_pb2
+
+MAX_STOP_CHARS = 256
+_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+
+
+class Invalid(Exception):
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _check_float(name: str, value: float, lo: float, hi: float, lo_open: bool) -> None:
+    ok = math.isfinite(value) and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise Invalid(f"{name} must be in {interval}, got {value!r}")
+
+
+def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
+             info: generate_pb2.ModelInfo) -> compute_pb2.ComputeRequest:
+    if not req.prompt:
+        raise Invalid("prompt must not be empty")
+    if len(req.prompt) > cfg.max_prompt_chars:
+        raise Invalid(f"prompt has {len(req.prompt)} characters; the limit is {cfg.max_prompt_chars} "
+                      f"(KVPOP_MAX_PROMPT_CHARS)", grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    s = compute_pb2.Sampling(max_tokens=cfg.default_max_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                             repetition_penalty=1.0, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    if req.HasField("max_tokens"):
+        if not 1 <= req.max_tokens <= cfg.max_tokens_limit:
+            raise Invalid(f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {req.max_tokens}")
+        s.max_tokens = req.max_tokens
+    if req.HasField("temperature"):
+        _check_float("temperature", req.temperature, 0.0, 100.0, lo_open=False)
+        s.temperature = req.temperature
+    if req.HasField("top_p"):
+        _check_float("top_p", req.top_p, 0.0, 1.0, lo_open=True)
+        s.top_p = req.top_p
+    if req.HasField("top_k"):
+        if req.top_k < 0:
+            raise Invalid(f"top_k must be >= 0 (0 = off), got {req.top_k}")
+        s.top_k = req.top_k
+    if req.HasField("repetition_penalty"):
+        _check_float("repetition_penalty", req.repetition_penalty, 0.0, 100.0, lo_open=True)
+        s.repetition_penalty = req.repetition_penalty
+    if req.HasField("seed"):
+        s.has_seed, s.seed = True, req.seed
+    if len(req.stop) > cfg.max_stop_strings:
+        raise Invalid(f"at most {cfg.max_stop_strings} stop strings, got {len(req.stop)}")
+    for stop in req.stop:
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise Invalid(f"each stop string must have 1 to {MAX_STOP_CHARS} characters, got {len(stop)}")
+    s.stop.extend(req.stop)
+
+    policy = req.policy or cfg.default_policy
+    if policy not in info.policies:
+        raise Invalid(f"unknown policy {policy!r}; one of: {', '.join(info.policies)}")
+    ev = compute_pb2.Eviction(policy=policy)
+    which = req.WhichOneof("kv_budget")
+    if which == "budget_tokens":
+        if not 1 <= req.budget_tokens <= info.max_model_len:
+            raise Invalid(f"budget_tokens must be in [1, {info.max_model_len}] (the model's max length), "
+                          f"got {req.budget_tokens}")
+        ev.budget_tokens = req.budget_tokens
+    elif which == "budget_fraction":
+        _check_float("budget_fraction", req.budget_fraction, 0.0, 1.0, lo_open=True)
+        ev.budget_fraction = req.budget_fraction
+    elif policy != "dense" and cfg.budget() is not None:
+        default = cfg.budget()
+        if isinstance(default, float):
+            ev.budget_fraction = default
+        else:
+            ev.budget_tokens = min(default, info.max_model_len)
+    elif policy != "dense":
+        raise Invalid(f"policy {policy!r} needs a kv budget (budget_tokens or budget_fraction)")
+
+    for name in ("session_id", "request_id"):
+        value = getattr(req, name)
+        if value and not _ID.match(value):
+            raise Invalid(f"{name} must be 1-128 characters of [A-Za-z0-9._:@/-], got {value[:40]!r}")
+    return compute_pb2.ComputeRequest(request_id=req.request_id or uuid.uuid4().hex, prompt=req.prompt,
+                                      sampling=s, eviction=ev, session_id=req.session_id)
