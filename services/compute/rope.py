@@ -35,36 +35,47 @@ class RotaryEmbedding:
     """Not an nn.Module: the tables are derived data, never saved or loaded,
     and must stay float32-exact whatever dtype the model is cast to."""
 
+    # Tables start at min(max_position_embeddings, this): a 128k-context model
+    # would otherwise hold ~130 MB of tables it rarely touches.
+    INITIAL_POSITIONS = 16384
+
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int):
         self.head_dim = head_dim
         self.inv_freq = inv_frequencies(head_dim, theta, scaling)
-        self.max_positions = max_positions
+        self.reserved = min(max_positions, self.INITIAL_POSITIONS)
         self._tables: dict[tuple, tuple[Tensor, Tensor]] = {}
 
-    def tables(self, device: torch.device, dtype: torch.dtype, needed: int) -> tuple[Tensor, Tensor]:
+    def reserve(self, positions: int) -> None:
+        """Make positions [0, positions) valid without a check per step; engines
+        on an accelerator call this with their max_model_len."""
+        self.reserved = max(self.reserved, positions)
+
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos [N, d] and sign-folded sin [N, d] (first half negated) so that
-        rotate_half(x) * sin == x.roll(d/2) * sin_signed: one op fewer per call."""
+        rotate_half(x) * sin == x.roll(d/2) * sin_signed: one op fewer per call.
+        Values equal transformers' (fp32 angles, then cast to the model dtype)."""
         key = (device, dtype)
         cached = self._tables.get(key)
-        if cached is not None and cached[0].shape[0] >= needed:
+        if cached is not None and cached[0].shape[0] >= self.reserved:
             return cached
-        n = max(needed, self.max_positions, 2 * (cached[0].shape[0] if cached else 0))
-        pos = torch.arange(n, dtype=torch.float32, device="cpu")
+        pos = torch.arange(self.reserved, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        half = self.head_dim // 2
         sin = emb.sin()
-        sin[:, :half].neg_()
+        sin[:, : self.head_dim // 2].neg_()
         cached = (emb.cos().to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
         self._tables[key] = cached
         return cached
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """Per-position cos/sin [*positions.shape, d]. `needed` is taken from
-        max_positions unless positions run past it, so no host sync per step."""
-        cos, sin = self.tables(positions.device, dtype, self.max_positions)
-        if positions.numel() and positions.device.type == "cpu" and int(positions.max()) >= cos.shape[0]:
-            cos, sin = self.tables(positions.device, dtype, int(positions.max()) + 1)
+        """Per-position cos/sin [*positions.shape, d]. On CPU the tables grow
+        on demand (checking is free); elsewhere that would cost a device sync
+        per step, so positions must stay below reserve()."""
+        if positions.device.type == "cpu" and positions.numel():
+            top = int(positions.max()) + 1
+            if top > self.reserved:
+                self.reserve(max(top, 2 * self.reserved))
+        cos, sin = self.tables(positions.device, dtype)
         return cos[positions], sin[positions]
 
 

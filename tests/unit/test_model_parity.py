@@ -28,7 +28,8 @@ CASES = {
     "llama3_rope_tied": ("llama", {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True}, None),
     "llama_sharded": ("llama", {"num_key_value_heads": 1}, "100KB"),
     "qwen2_bias": ("qwen2", {}, None),
-    "mistral": ("mistral", {}, None),
+    # max_position_embeddings below SEQ_LEN: RoPE tables must grow, as HF's on-the-fly rope does.
+    "mistral_long": ("mistral", {"max_position_embeddings": 32}, None),
 }
 
 SEQ_LEN = 48

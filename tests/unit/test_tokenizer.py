@@ -91,3 +91,40 @@ def test_truncated_character_flushes_replacement(placeholder_tok):
 def test_missing_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json not found"):
         Tokenizer(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def metaspace_dir(tmp_path_factory):
+    """A SentencePiece-style tokenizer (Llama/Mistral family): decoding a lone
+    '▁w' token drops its space, which a naive per-token decoder would lose."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as RawTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(set("▁abcdefghijklmnopqrstuvwxyzé日本")):
+        vocab[ch] = len(vocab)
+    vocab["▁h"], vocab["▁w"] = len(vocab), len(vocab) + 1
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[("▁", "h"), ("▁", "w")], unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    raw.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    d = tmp_path_factory.mktemp("metaspace")
+    raw.save(str(d / "tokenizer.json"))
+    (d / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2]}))
+    return d
+
+
+def test_metaspace_streaming_keeps_spaces(metaspace_dir):
+    t = Tokenizer(metaspace_dir)
+    assert t.bos_token_id == 1 and t.eos_token_ids == {2}
+    text = "hello world é日本 how"
+    ids = t.encode(text, add_bos=False)
+    assert t.decode([t.token_to_id("▁w")]) == "w"  # the trap
+    deltas, rest = stream(t, ids)
+    assert "".join(deltas) + rest == text
+    # Continuing after a prompt: the first generated word keeps its space.
+    prompt = t.encode("hello", add_bos=True)
+    dec = t.incremental_decoder(prompt)
+    assert "".join(dec.push(i) for i in t.encode("hello world", add_bos=False)[5:]) == " world"
