@@ -26,6 +26,9 @@ callable says so, else 503) on one small HTTP server thread.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +39,8 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger(__name__)
 
 # `*_created` series double the scrape size and no dashboard of ours reads them.
 disable_created_metrics()
@@ -112,7 +117,8 @@ class Metrics:
         Cumulative engine counts (`evictions` by policy, `fallback_evictions`,
         `prompt_tokens`, `generated_tokens`, `prefix_cache_queries`,
         `prefix_cache_hits`) become counter increments; a count that went down
-        (engine rebuilt) restarts the delta from there. Missing keys are left
+        (engine rebuilt, a live sequence's count dropped on abort) becomes the
+        new baseline, so the counter never overcounts. Missing keys are left
         alone, so an engine that does not report something simply exports no
         change."""
         gauges = {"pages_used": self.pages_used, "pages_free": self.pages_free,
@@ -134,11 +140,48 @@ class Metrics:
 
     def _advance(self, key: str, value: float, counter) -> None:
         last = self._seen.get(key, 0.0)
-        if value >= last:
+        if value > last:
             counter.inc(value - last)
-        else:
-            counter.inc(value)
         self._seen[key] = value
+
+
+class EngineStatsRefresher:
+    """Copies `stats()` into the metrics every `period_s` from an asyncio task.
+
+    `stats` runs in a worker thread (it may wait for an engine step); the last
+    result stays in `last` for others (the replica heartbeat's load)."""
+
+    def __init__(self, stats: Callable[[], Mapping], metrics: Metrics | None = None,
+                 period_s: float = 1.0):
+        self.stats = stats
+        self.metrics = metrics or get_metrics()
+        self.period_s = period_s
+        self.last: Mapping = {}
+        self._task: asyncio.Task | None = None
+
+    async def refresh(self) -> Mapping:
+        self.last = await asyncio.to_thread(self.stats)
+        self.metrics.refresh_engine(self.last)
+        return self.last
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 — metrics must never take the service down
+                log.warning("engine stats refresh failed: %s", e)
+            await asyncio.sleep(self.period_s)
+
+    def start(self) -> "EngineStatsRefresher":
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine-metrics")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
 
 
 class RequestTimer:

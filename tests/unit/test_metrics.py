@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpop.metrics import Metrics, get_metrics, start_metrics_server
+from kvpop.metrics import EngineStatsRefresher, Metrics, get_metrics, start_metrics_server
 
 REQUIRED = [
     "kvpop_time_to_first_token_seconds", "kvpop_inter_token_latency_seconds",
@@ -61,9 +61,12 @@ def test_refresh_engine_sets_gauges_and_advances_counters():
     assert reg.get_sample_value("kvpop_kv_evictions_total", {"policy": "snapkv"}) == 1
     assert reg.get_sample_value("kvpop_generation_tokens_total") == 80
     assert reg.get_sample_value("kvpop_prefix_cache_hits_total") == 10
-    # An engine rebuilt from zero: counting resumes from the new value, never goes back.
+    # A count that goes down (engine rebuilt) is the new baseline: no overcount,
+    # and counting resumes from there.
     m.refresh_engine({"generated_tokens": 7})
-    assert reg.get_sample_value("kvpop_generation_tokens_total") == 87
+    assert reg.get_sample_value("kvpop_generation_tokens_total") == 80
+    m.refresh_engine({"generated_tokens": 10})
+    assert reg.get_sample_value("kvpop_generation_tokens_total") == 83
     # Keys an engine does not report are left alone.
     m.refresh_engine({})
     assert reg.get_sample_value("kvpop_kv_pool_pages_free") == 90
@@ -144,6 +147,31 @@ def test_broken_readiness_probe_is_not_ready():
         assert e.value.code == 503
     finally:
         server.close()
+
+
+def test_refresher_polls_stats_in_the_background():
+    import asyncio
+    import threading
+
+    m = Metrics(process_collectors=False)
+    calls = []
+
+    def stats():
+        calls.append(threading.current_thread().name)
+        return {"pages_used": len(calls), "running": 2, "waiting": 1}
+
+    async def go():
+        r = EngineStatsRefresher(stats, metrics=m, period_s=0.02).start()
+        deadline = time.monotonic() + 5
+        while len(calls) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await r.stop()
+        return r.last
+    last = asyncio.run(go())
+    assert len(calls) >= 3 and last["running"] == 2
+    # stats() ran off the event loop thread: an engine step cannot stall the server.
+    assert threading.main_thread().name not in calls
+    assert m.registry.get_sample_value("kvpop_kv_pool_pages_used") == last["pages_used"]
 
 
 def test_process_registry_is_a_singleton():
