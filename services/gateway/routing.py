@@ -1,0 +1,95 @@
+"""Which compute replica serves a request.
+
+Replicas heartbeat into the Redis registry (kvpop/registry.py); the router
+asks it for the least-loaded healthy replica, counting the streams this
+gateway already has open on each (heartbeats show them only later), and keeps
+a session on the replica that holds its KV. With no Redis, or no replica
+registered, it uses the configured static compute address, so a single-host
+stack works unchanged. When Redis is down it routes over the replicas it saw
+last: a registry outage must not stop traffic.
+
+The caller retries a request on another replica (passing `exclude`) when the
+chosen one is unreachable before anything was streamed.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from kvpop import security, telemetry
+from kvpop.pb import compute_pb2_grpc
+from kvpop.redis_client import RedisUnavailable
+from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    replica_id: str       # the registry id, or "static" for the configured address
+    address: str
+    stub: compute_pb2_grpc.ComputeStub
+
+
+class Router:
+    STATIC = "static"
+
+    def __init__(self, static_address: str, registry: ReplicaRegistry | None = None):
+        self.static_address = static_address
+        self.registry = registry
+        self.inflight: Counter[str] = Counter()
+        self._channels: dict[str, tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]] = {}
+        self._last_known: list[Replica] = []
+
+    def stub(self, address: str) -> compute_pb2_grpc.ComputeStub:
+        if address not in self._channels:
+            ch = security.aio_channel(address, options=[("grpc.max_receive_message_length", -1)],
+                                      interceptors=telemetry.client_interceptors())
+            self._channels[address] = (ch, compute_pb2_grpc.ComputeStub(ch))
+        return self._channels[address][1]
+
+    def _static(self) -> Target:
+        return Target(self.STATIC, self.static_address, self.stub(self.static_address))
+
+    async def pick(self, session_replica: str | None = None,
+                   exclude: frozenset[str] | set[str] = frozenset()) -> Target:
+        """Raises NoReplicaAvailable when every known replica is excluded."""
+        if self.registry is not None:
+            try:
+                self._last_known = await self.registry.healthy_replicas()
+            except RedisUnavailable as e:
+                log.warning("replica registry unavailable, routing over the last known replicas: %s", e)
+            live = [r for r in self._last_known if r.id not in exclude]
+            if live:
+                chosen = self._choose(live, session_replica)
+                return Target(chosen.id, chosen.address, self.stub(chosen.address))
+        if self.STATIC in exclude:
+            raise NoReplicaAvailable("no compute replica left to try")
+        return self._static()
+
+    def _choose(self, live: list[Replica], session_replica: str | None) -> Replica:
+        for r in live:
+            if r.id == session_replica:
+                return r
+        return min(live, key=lambda r: ((r.load + self.inflight[r.id]) / max(1, r.capacity), r.id))
+
+    @contextlib.contextmanager
+    def track(self, target: Target) -> Iterator[None]:
+        """Count a stream open on `target` while the block runs."""
+        self.inflight[target.replica_id] += 1
+        try:
+            yield
+        finally:
+            self.inflight[target.replica_id] -= 1
+            if self.inflight[target.replica_id] <= 0:
+                del self.inflight[target.replica_id]
+
+    async def close(self) -> None:
+        for ch, _ in self._channels.values():
+            await ch.close()
+        self._channels.clear()
