@@ -141,7 +141,7 @@ class InProcessAdvisor:
                 blocks = self._blocks[rid]
                 names = torch.tensor(sorted(blocks), dtype=torch.int32)
                 att = torch.stack([blocks[b] for b in sorted(blocks)], -1)   # [L, Hkv, n]
-                plans[rid] = EvictionPlan(rid, names[att.argsort(-1, stable=True)])
+                plans[rid] = EvictionPlan(rid, names[att.argsort(dim=-1, stable=True)])
                 self.plans_sent += 1
         return plans
 

@@ -27,6 +27,7 @@ class KVPool:
         self.v_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
         # A stack: recently freed pages are handed out first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self.peak_used = 0
 
     @staticmethod
     def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -61,6 +62,7 @@ class KVPool:
             return torch.empty(0, dtype=torch.int32)
         pages = self._free[-n:]
         del self._free[-n:]
+        self.peak_used = max(self.peak_used, self.num_used)
         return torch.tensor(pages, dtype=torch.int32)
 
     def free(self, pages: torch.Tensor) -> None:

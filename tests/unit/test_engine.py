@@ -1,0 +1,253 @@
+"""LLMEngine and AsyncEngine on tiny random models: exactness against
+no-cache recomputation, batch invariance, stop conditions, bounded memory with
+eviction, the advisor protocol, cancellation."""
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from helpers_engine import dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine, tiny_model
+from services.compute.async_engine import AsyncEngine
+from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.eviction import InProcessAdvisor
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.mark.parametrize("block_size,prefill_chunk", [(1, 7), (4, 8), (16, 512), (5, 16)])
+def test_greedy_dense_equals_recomputation(model, block_size, prefill_chunk):
+    engine = tiny_engine(model, block_size=block_size, prefill_chunk=prefill_chunk)
+    for n in (1, 9, 37):
+        prompt = random_prompt(n, seed=n)
+        got = [o.token_id for o in engine.generate(prompt, GREEDY)]
+        assert got == dense_greedy(model, prompt, GREEDY.max_tokens), (n, block_size)
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_batch_of_16_equals_alone(model):
+    """Different prompt lengths, joining at different steps, greedy and seeded
+    sampling: every request gets exactly the tokens it gets alone."""
+    params = [SamplingParams(max_tokens=10, ignore_eos=True) if i % 2 else
+              SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=100 + i,
+                             ignore_eos=True)
+              for i in range(16)]
+    prompts = [random_prompt(3 + 5 * i, seed=i) for i in range(16)]
+    alone = []
+    for p, sp in zip(prompts, params):
+        engine = tiny_engine(model, prefill_chunk=16)
+        alone.append([o.token_id for o in engine.generate(p, sp)])
+
+    engine = tiny_engine(model, prefill_chunk=16)
+    outs: dict[str, list[int]] = {}
+    joined = 0
+    for step in range(1000):
+        # Two requests join every step: they meet others mid-prefill and mid-decode.
+        for _ in range(2):
+            if joined < 16:
+                engine.add_request(str(joined), prompts[joined], params[joined])
+                joined += 1
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o.token_id)
+        if joined == 16 and not engine.has_unfinished():
+            break
+    assert max(engine.scheduler.running.__len__(), 0) == 0
+    for i in range(16):
+        assert outs[str(i)] == alone[i], i
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_stop_string_is_not_emitted_and_text_matches_tokens(model):
+    tok = default_tokenizer()
+    engine = tiny_engine(model, tokenizer=tok)
+    prompt = tok.encode("hello")
+    free = list(engine.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True)))
+    text = "".join(o.text_delta for o in free)
+    assert text == tok.decode([o.token_id for o in free])
+    assert len(text) >= 6
+    stop = text[3:5]
+    cut = text.index(stop)
+    outs = list(engine.generate(prompt, SamplingParams(max_tokens=30, ignore_eos=True, stop=(stop,))))
+    assert "".join(o.text_delta for o in outs) == text[:cut]
+    assert outs[-1].finished and outs[-1].finish_reason == "stop"
+    assert len(outs) < 30
+
+
+def test_max_tokens_eos_and_usage(model):
+    engine = tiny_engine(model)
+    prompt = random_prompt(10, seed=3)
+    outs = list(engine.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True)))
+    assert len(outs) == 7 and outs[-1].finish_reason == "length"
+    u = outs[-1].usage
+    assert (u.prompt_tokens, u.completion_tokens, u.policy, u.kv_blocks_evicted) == (10, 7, "dense", 0)
+    # 16 tokens cached (the 7th is sampled, never fed back) in blocks of 4, x 2 layers x 2 kv-heads.
+    assert u.kv_blocks_resident == math.ceil(16 / 4) * 2 * 2
+    # Make EOS the greedy first token: the request stops there, with reason "stop".
+    first = outs[0].token_id
+    engine.eos_ids = {first}
+    outs = list(engine.generate(prompt, SamplingParams(max_tokens=7)))
+    assert [o.token_id for o in outs] == [first] and outs[0].finish_reason == "stop"
+
+
+def test_invalid_requests_raise_clear_errors(model):
+    engine = tiny_engine(model)
+    bad = [
+        (dict(prompt_token_ids=[]), "empty"),
+        (dict(prompt_token_ids=[5, 999]), "token ids"),
+        (dict(sampling=SamplingParams(max_tokens=0)), "max_tokens"),
+        (dict(sampling=SamplingParams(top_p=0.0)), "top_p"),
+        (dict(sampling=SamplingParams(max_tokens=5000)), "max length"),
+        (dict(eviction=EvictionParams("nope", budget=64)), "unknown policy"),
+        (dict(eviction=EvictionParams("h2o")), "needs a budget"),
+        (dict(eviction=EvictionParams("h2o", budget=8, sink=4, recent=8)), "too small"),
+        (dict(eviction=EvictionParams("h2o", budget=1.5)), "fraction"),
+        (dict(eviction=EvictionParams("h2o", budget=64, block_size=8)), "block_size"),
+    ]
+    for kwargs, words in bad:
+        args = dict(request_id="x", prompt_token_ids=[5, 6, 7]) | kwargs
+        with pytest.raises(ValueError, match=words):
+            engine.add_request(**args)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "learned"])
+def test_long_prompt_is_served_in_bounded_memory(model, policy):
+    """A 600-token prompt with a 48-token budget: eviction between prefill
+    chunks keeps the pool footprint at budget + one chunk + slack."""
+    bs, chunk, budget = 4, 32, 48
+    engine = tiny_engine(model, block_size=bs, prefill_chunk=chunk, num_pages=4000)
+    outs = list(engine.generate(random_prompt(600, seed=9), SamplingParams(max_tokens=20, ignore_eos=True),
+                                EvictionParams(policy, budget=budget, sink=4, recent=8)))
+    assert len(outs) == 20
+    rows = 2 * 2
+    slack = engine.config.plan_slack_blocks if policy == "learned" else 0
+    bound = (budget // bs + chunk // bs + 1 + slack) * rows
+    assert engine.pool.peak_used <= bound
+    dense_pages = math.ceil(620 / bs) * rows
+    assert engine.pool.peak_used < dense_pages / 4
+    assert outs[-1].usage.kv_blocks_resident <= (budget // bs + slack) * rows
+    assert outs[-1].usage.kv_blocks_evicted > 0
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_abort_frees_pages_at_next_step(model):
+    engine = tiny_engine(model)
+    engine.add_request("a", random_prompt(20, 1), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", random_prompt(20, 2), SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    used = engine.pool.num_used
+    assert used > 0
+    engine.abort("a")
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert aborted and aborted[0].finish_reason == "abort" and aborted[0].finished
+    assert "a" not in engine.seqs
+    run_all(engine)
+    assert engine.pool.num_free == engine.pool.capacity
+    assert engine.stats()["finished_requests"] == 2
+
+
+def test_learned_applies_plans_and_counts_fallback(model):
+    """A prompt plan-driven advisor: evictions follow its plans (names of gone
+    blocks are ignored); a silent advisor makes compute fall back and count it;
+    either way no row exceeds budget + slack."""
+    prompt = random_prompt(80, seed=4)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    ev = EvictionParams("learned", budget=32, sink=4, recent=8)
+    results = {}
+    for name, advisor in [("prompt", InProcessAdvisor()), ("late", InProcessAdvisor(delay=3)),
+                          ("silent", InProcessAdvisor(silent=True)), ("absent", None)]:
+        engine = tiny_engine(model, advisor=advisor, prefill_chunk=8)
+        engine.add_request("r", prompt, sp, ev)
+        worst = 0
+        while engine.has_unfinished():
+            outs = engine.step()
+            seq = engine.seqs.get("r")
+            if seq is not None:
+                worst = max(worst, seq.num_blocks)
+        usage = outs[-1].usage
+        results[name] = usage
+        assert worst <= 32 // 4 + engine.config.plan_slack_blocks, name
+        assert usage.kv_blocks_evicted > 0
+        assert engine.pool.num_free == engine.pool.capacity
+    assert results["prompt"].fallback_evictions < results["prompt"].kv_blocks_evicted
+    assert results["silent"].fallback_evictions == results["silent"].kv_blocks_evicted
+    assert results["absent"].fallback_evictions == results["absent"].kv_blocks_evicted
+    assert results["late"].fallback_evictions <= results["silent"].fallback_evictions
+
+
+def test_stats(model):
+    engine = tiny_engine(model)
+    engine.add_request("a", random_prompt(30, 1), SamplingParams(max_tokens=10, ignore_eos=True),
+                       EvictionParams("h2o", budget=16, sink=0, recent=4))
+    engine.add_request("b", random_prompt(5, 2), SamplingParams(max_tokens=10, ignore_eos=True))
+    engine.step()
+    s = engine.stats()
+    assert s["running"] == 2 and s["waiting"] == 0
+    assert s["pages_used"] + s["pages_free"] == s["pages_total"] and s["pages_used"] > 0
+    run_all(engine)
+    s = engine.stats()
+    assert s["generated_tokens"] == 20 and s["evictions"]["h2o"] > 0
+    assert s["pages_used"] == 0 and s["running"] == 0
+
+
+# ---------------------------------------------------------------- async
+def test_async_engine_streams_cancels_and_survives_bad_requests(model):
+    engine = tiny_engine(model)
+    aengine = AsyncEngine(engine)
+    prompt = random_prompt(12, seed=5)
+    expected = dense_greedy(model, prompt, 8)
+
+    async def collect(rid, **kw):
+        return [o async for o in aengine.generate(rid, prompt, **kw)]
+
+    async def cancel_after(rid, n):
+        got = 0
+        async for _ in aengine.generate(rid, prompt, SamplingParams(max_tokens=500, ignore_eos=True)):
+            got += 1
+            if got == n:
+                break  # closing the iterator aborts the request
+        return got
+
+    async def bad():
+        with pytest.raises(ValueError, match="top_p"):
+            await collect("bad", sampling=SamplingParams(top_p=2.0))
+        return "raised"
+
+    async def main():
+        results = await asyncio.gather(
+            collect("good1", sampling=SamplingParams(max_tokens=8, ignore_eos=True)),
+            cancel_after("cancelled", 3), bad(),
+            collect("good2", sampling=SamplingParams(max_tokens=8, ignore_eos=True)))
+        return results
+
+    try:
+        good1, n, raised, good2 = asyncio.run(main())
+        assert [o.token_id for o in good1] == expected == [o.token_id for o in good2]
+        assert n == 3 and raised == "raised"
+        # The abort is applied by the loop thread: poll for it with a deadline.
+        deadline = asyncio.run(_wait_until(lambda: aengine.stats()["pages_used"] == 0))
+        assert deadline, aengine.stats()
+        assert aengine.stats()["running"] == 0
+        assert aengine.is_alive()
+    finally:
+        aengine.shutdown()
+    assert not aengine.is_alive()
+
+
+async def _wait_until(cond, timeout: float = 10.0) -> bool:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while loop.time() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
