@@ -112,6 +112,11 @@ def log_tail(proc: Proc, lines: int = 15) -> str:
 
 
 def _died(proc: Proc) -> bool:
+    # When we are the parent (tests, a failed `up`), collect the exit status so no zombie lingers.
+    try:
+        os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
     if not proc.alive():
         return True
     # A zombie (our own child that exited) still has its /proc entry.
@@ -220,6 +225,26 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         stop_stack(stack)
         raise
     return stack
+
+
+def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Proc:
+    """Start a stopped (or killed) service again with its original command and
+    address; waits for SERVING. `env`: the extra variables it was started with."""
+    old = stack.proc(name)
+    if not _died(old):
+        raise LaunchError(f"{name} is still running (pid {old.pid})")
+    stack.processes.remove(old)
+    child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+    proc = _spawn(stack, name, old.cmd, old.address, child_env)
+    deadline = time.monotonic() + timeout
+    while not _serving(proc.address):
+        if _died(proc):
+            raise LaunchError(f"{name} exited during restart; log {proc.log}:\n{log_tail(proc)}")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{name} not SERVING {timeout:.0f}s after restart; see {proc.log}")
+        time.sleep(0.1)
+    return proc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvpop.launcher import STATE_FILE, Proc, Stack, default_state_dir
+from kvpop.launcher import STATE_FILE, Proc, Stack, _died, default_state_dir
 
 
 def _signal(proc: Proc, sig: int) -> None:
@@ -24,22 +24,8 @@ def _signal(proc: Proc, sig: int) -> None:
         os.kill(proc.pid, sig)
 
 
-def _reap(proc: Proc) -> None:
-    # When we are the parent (tests, a failed `up`), collect the exit status so no zombie lingers.
-    try:
-        os.waitpid(proc.pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
 def _gone(proc: Proc) -> bool:
-    _reap(proc)
-    if not proc.alive():
-        return True
-    try:
-        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    return _died(proc)
 
 
 def stop_process(p: Proc, grace: float = 15.0) -> bool:

@@ -1,0 +1,101 @@
+"""The three services as real processes: streaming, cancellation, losing the
+cache-manager mid-stream, and one trace across all of them."""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+
+import grpc
+
+from conftest import BLOCK_SIZE, compute_info, stack_env, wait_until
+from kvpop.launcher import restart_service
+from kvpop.pb import generate_pb2
+
+
+def request(**kw) -> generate_pb2.GenerateRequest:
+    kw.setdefault("prompt", "The quick brown fox jumps over the lazy dog.")
+    return generate_pb2.GenerateRequest(**kw)
+
+
+def collect(stream):
+    ids, text, final = [], [], None
+    for r in stream:
+        if r.HasField("chunk"):
+            assert final is None, "chunk after the final message"
+            ids.extend(r.chunk.token_ids)
+            text.append(r.chunk.text)
+        else:
+            final = r.finished
+    return ids, "".join(text), final
+
+
+def test_model_info_is_labelled(gateway):
+    info = gateway.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
+    assert info.placeholder, "the embedded default model has random weights and must say so"
+    assert info.block_size == BLOCK_SIZE and info.num_layers > 0 and info.num_kv_heads > 0
+    assert {"dense", "h2o", "learned"} <= set(info.policies)
+
+
+def test_stream_completion(gateway):
+    req = request(max_tokens=24, ignore_eos=True, logprobs=True, policy="dense")
+    chunks = list(gateway.Generate(req, timeout=60))
+    assert len(chunks) >= 2 and chunks[-1].HasField("finished")
+    ids, text, final = collect(chunks)
+    assert len(ids) == 24 and final.usage.completion_tokens == 24
+    assert final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert final.usage.prompt_tokens > 0 and final.usage.policy == "dense" and final.usage.kv_blocks_evicted == 0
+    assert all(len(c.chunk.logprobs) == len(c.chunk.token_ids) for c in chunks if c.HasField("chunk"))
+    # Greedy is deterministic through the whole stack.
+    again, _, _ = collect(gateway.Generate(req, timeout=60))
+    assert again == ids
+
+
+def test_cancel_frees_pages(gateway, compute):
+    base = compute_info(compute).stats
+    call = gateway.Generate(request(max_tokens=3000, ignore_eos=True, policy="dense"), timeout=120)
+    it = iter(call)
+    for _ in range(5):
+        assert next(it).HasField("chunk")
+    held = compute_info(compute).stats
+    assert held.running == 1 and held.pages_used > base.pages_used
+    call.cancel()
+    stats = wait_until(lambda: (s := compute_info(compute).stats).running == 0 and s, 10, "the sequence to go")
+    assert stats.pages_used == base.pages_used and stats.pages_free == base.pages_free
+
+
+def test_cache_manager_killed_mid_stream(stack, gateway, compute, otlp):
+    wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reach the cache-manager")
+    plans_before = compute_info(compute).stats.extra["advisor_plans_received"]
+    req = request(max_tokens=600, ignore_eos=True, policy="learned", budget_tokens=64)
+    it = iter(gateway.Generate(req, timeout=120))
+    for _ in range(100):
+        assert next(it).HasField("chunk")
+    # The advisor has been planning for this sequence before it dies.
+    wait_until(lambda: compute_info(compute).stats.extra["advisor_plans_received"] > plans_before, 10, "a plan")
+    cm = stack.proc("cache-manager")
+    os.killpg(cm.pid, signal.SIGKILL)
+    ids, _, final = collect(it)
+    assert final is not None and final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 600
+    assert final.usage.policy == "learned" and final.usage.kv_blocks_evicted > 0
+    assert final.usage.fallback_evictions > 0, "blocks evicted after the kill must be counted as fallback"
+    assert not compute_info(compute).advisor_connected
+    # Bring it back for the other tests; compute reconnects on its own.
+    restart_service(stack, "cache-manager", env=stack_env(otlp.port))
+    wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reconnect")
+
+
+def test_one_trace_spans_all_services(gateway, compute, otlp):
+    wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reach the cache-manager")
+    trace_id = secrets.token_hex(16)
+    md = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
+    # learned + a small budget: blocks leave the recent window, so the cache-manager plans.
+    req = request(max_tokens=120, ignore_eos=True, policy="learned", budget_tokens=64)
+    _, _, final = collect(gateway.Generate(req, timeout=60, metadata=md))
+    assert final is not None
+    want = {"gateway", "compute", "cache-manager"}
+    got = otlp.wait_for(trace_id, want, timeout=15)
+    assert want <= got, f"trace {trace_id} has spans from {got} only"
+    assert ("cache-manager", "cache_manager.plan") in otlp.span_names(trace_id)
