@@ -91,6 +91,9 @@ def save_model(model: TransformerModel, model_dir: str | Path, tokenizer_json_pa
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # safetensors refuses shared storage; HF drops it too
+    if _was_placeholder(model_dir / "config.json"):
+        # Overwriting the random placeholder: its card ("RANDOM WEIGHTS") would now lie.
+        (model_dir / "MODEL_CARD.md").unlink(missing_ok=True)
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     # Whatever we save is, by construction, not the untouched random placeholder
@@ -103,3 +106,10 @@ def save_model(model: TransformerModel, model_dir: str | Path, tokenizer_json_pa
     if tokenizer_json_path is not None and Path(tokenizer_json_path).resolve() != (model_dir / "tokenizer.json").resolve():
         shutil.copyfile(tokenizer_json_path, model_dir / "tokenizer.json")
     return model_dir
+
+
+def _was_placeholder(config_path: Path) -> bool:
+    try:
+        return bool(json.loads(config_path.read_text()).get("kvpop_placeholder"))
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -155,6 +155,9 @@ def test_placeholder_builder(tmp_path):
     # save_model never carries the placeholder marker over to another model.
     save_model(model, tmp_path / "saved")
     assert not is_placeholder(tmp_path / "saved")
+    # Saving a (trained) model over the placeholder drops the random-weights card.
+    save_model(model, out)
+    assert not is_placeholder(out) and not (out / "MODEL_CARD.md").exists()
 
 
 def test_default_model_loads():
