@@ -1,12 +1,14 @@
-"""Tokenizer on the default model folder: round trips, special tokens, and the
-incremental decoder never emits half a character."""
+"""Tokenizer: round trips and specials on the byte-level placeholder
+tokenizer, streaming (incremental decoder) on it, on a SentencePiece-style
+tokenizer and on whatever models/default ships."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpop.default_model import build_placeholder
+from kvpop.default_model import build_tokenizer
 from kvpop.paths import DEFAULT_MODEL_DIR
 from services.compute.tokenizer import Tokenizer
 
@@ -15,13 +17,17 @@ SAMPLES = ["", "hello world", "  leading and trailing  ", "line\nbreak\ttab",
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return Tokenizer(DEFAULT_MODEL_DIR)
+def placeholder_tok(tmp_path_factory):
+    d = tmp_path_factory.mktemp("placeholder_tok")
+    build_tokenizer().save(str(d / "tokenizer.json"))
+    return Tokenizer(d)
 
 
 @pytest.fixture(scope="module")
-def placeholder_tok(tmp_path_factory):
-    return Tokenizer(build_placeholder(tmp_path_factory.mktemp("p")))
+def default_tok():
+    """Whatever models/default ships (placeholder or trained): no assumptions
+    about its vocabulary beyond having specials."""
+    return Tokenizer(DEFAULT_MODEL_DIR)
 
 
 def stream(tok, ids):
@@ -31,19 +37,19 @@ def stream(tok, ids):
 
 
 @pytest.mark.parametrize("text", SAMPLES)
-def test_round_trip(tok, text):
+def test_round_trip(placeholder_tok, text):
+    tok = placeholder_tok
     ids = tok.encode(text)
-    if tok.bos_token_id is not None:
-        assert ids[0] == tok.bos_token_id
+    assert ids[0] == tok.bos_token_id
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.decode(ids) == text
-    assert tok.encode(text, add_bos=False) == (ids[1:] if tok.bos_token_id is not None else ids)
+    assert tok.encode(text, add_bos=False) == ids[1:]
 
 
 @pytest.mark.parametrize("text", SAMPLES)
-def test_incremental_decoder_matches_full_decode(tok, text):
-    ids = tok.encode(text, add_bos=False)
-    deltas, rest = stream(tok, ids)
+def test_incremental_decoder_matches_full_decode(placeholder_tok, text):
+    ids = placeholder_tok.encode(text, add_bos=False)
+    deltas, rest = stream(placeholder_tok, ids)
     assert "".join(deltas) + rest == text
     assert rest == ""
     assert not any("\ufffd" in d for d in deltas)
@@ -51,10 +57,27 @@ def test_incremental_decoder_matches_full_decode(tok, text):
 
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=40))
-def test_incremental_decoder_any_text(tok, text):
-    ids = tok.encode(text, add_bos=False)
-    deltas, rest = stream(tok, ids)
-    assert "".join(deltas) + rest == tok.decode(ids)
+def test_incremental_decoder_any_text(placeholder_tok, text):
+    ids = placeholder_tok.encode(text, add_bos=False)
+    deltas, rest = stream(placeholder_tok, ids)
+    assert "".join(deltas) + rest == text
+
+
+def test_default_model_tokenizer(default_tok):
+    t = default_tok
+    assert t.eos_token_ids and all(0 <= i < t.vocab_size for i in t.eos_token_ids)
+    assert t.bos_token_id is not None and t.encode("", add_bos=True) == [t.bos_token_id]
+    # Tokens that decode to whole characters on their own; random sequences of them.
+    ok = [i for i in range(t.vocab_size)
+          if i not in t.special_ids and (s := t.decode([i])) and "\ufffd" not in s]
+    assert len(ok) > 10
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        ids = [ok[j] for j in torch.randint(0, len(ok), (12,), generator=g).tolist()]
+        text = t.decode(ids)
+        deltas, rest = stream(t, ids + sorted(t.eos_token_ids)[:1])
+        assert "".join(deltas) + rest == text
+        assert t.decode(t.encode(text)) == text
 
 
 def test_placeholder_specials(placeholder_tok):
