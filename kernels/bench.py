@@ -369,7 +369,7 @@ def report(results: dict, out_dir: Path) -> str:
              f"({results['peak_source']}); device copy {results['copy_GBps']} GB/s"]
     if results["attention"]:
         parts += ["", "## paged attention", table(results["attention"], [
-            "backend", "batch", "context", "dtype", "ms", "achieved_GBps", "frac_of_peak", "frac_of_copy"])]
+            "backend", "batch", "context", "head_dim", "dtype", "ms", "achieved_GBps", "frac_of_peak", "frac_of_copy"])]
     for key in ("decode", "engine"):
         if results[key]:
             parts += ["", f"## {key} tokens/s", table(results[key], [
@@ -430,6 +430,9 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_cuda = torch.cuda.is_available() and not args.dry_run
+    if not use_cuda and not args.dry_run:
+        print("no CUDA device: the full-size benchmark needs one (use --dry-run on CPU)", file=sys.stderr)
+        return 2
     dev = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     dtype = torch.bfloat16 if use_cuda else torch.float32
     peak, peak_src = peak_bandwidth(dev)
