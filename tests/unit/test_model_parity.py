@@ -141,3 +141,28 @@ def test_dense_forward_trains(checkpoint):
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@torch.inference_mode()
+def test_attention_callback_contract(checkpoint):
+    """The engine's callback gets contiguous q/k/v of the documented shapes, in
+    the model dtype, once per layer in order; its output is what o_proj sees."""
+    _, path, _, ids, _ = checkpoint
+    model = load_model(path)
+    cfg = model.config
+    seen = []
+    cache = ContiguousKVCache()
+    inner = cache.attention(["a", "b"], [3, 4])
+
+    def attention(layer, q, k, v):
+        seen.append(layer)
+        T = q.shape[0]
+        assert q.shape == (T, cfg.num_heads, cfg.head_dim) and q.is_contiguous()
+        assert k.shape == v.shape == (T, cfg.num_kv_heads, cfg.head_dim)
+        assert k.is_contiguous() and v.is_contiguous() and q.dtype == model.dtype
+        return inner(layer, q, k, v)
+
+    ids7 = torch.cat([ids[0, :3], ids[1, :4]])
+    hidden = model(ids7, torch.tensor([0, 1, 2, 0, 1, 2, 3]), attention)
+    assert seen == list(range(cfg.num_layers))
+    assert hidden.shape == (7, cfg.hidden_size)
