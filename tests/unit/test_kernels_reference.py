@@ -189,3 +189,49 @@ def test_ops_dispatch_to_reference_on_cpu(monkeypatch):
     assert torch.equal(out, want_out) and torch.equal(mass, want_mass)
     monkeypatch.setenv("KVPOP_KERNELS", "reference")
     assert ops.backend_for(case[0]) == "reference"
+
+
+def test_cuda_module_imports_without_cupy_and_plans_consistent_launches():
+    from kernels import cuda
+    for NB in (1, 5, 64, 300, 4097):
+        for B, Hkv in ((1, 1), (1, 8), (16, 8), (64, 8)):
+            S, chunk = cuda.splits(B, Hkv, NB, 4, 132)
+            # every block in exactly one split, no empty trailing split
+            assert S * chunk >= NB and (S - 1) * chunk < NB and S >= 1
+    cfg = cuda.attention_config(128, 16, 4, torch.bfloat16, (0, 256))
+    assert cfg["VEC"] == 8 and cfg["DPL"] == 4 and cfg["GP"] == 4
+    cfg = cuda.attention_config(80, 16, 3, torch.float16, (0,))
+    assert cfg["VEC"] == 0 and cfg["GP"] == 4 and cfg["LOG2GP"] == 2   # guarded scalar loads
+    cfg = cuda.attention_config(256, 16, 32, torch.float32, (0,))
+    assert (2 * cfg["NW"] * cfg["GP"] + cfg["NW"] * 32 * 256) * 4 <= 48 * 1024
+    src = cuda.source("paged_attention", **cfg)
+    assert src.startswith("#define DT 0\n") and "paged_attn_partial" in src
+
+
+def test_bench_dry_run_on_cpu(tmp_path):
+    import json
+
+    from kernels import bench
+    rc = bench.main(["--dry-run", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "bench.json").read_text())
+    assert rc == 0, results["errors"]
+    assert {r["backend"] for r in results["attention"]} >= {"reference", "torch_sdpa_contiguous"}
+    for key in ("decode", "engine"):
+        assert len(results[key]) == 4 and all(r.get("tokens_per_s", 0) > 0 for r in results[key])
+    assert all(r["eviction_rounds"] > 0 for r in results["decode"] if r["policy"] == "h2o")
+
+
+def test_bench_h2o_rounds_keep_page_tables_valid():
+    from kernels import bench
+    args = bench.parse_args(["--dry-run"])
+    model = bench.build_model(args, torch.device("cpu"), torch.float32)
+    dec = bench.LocalDecoder(model, 2, 40, 30, "h2o", 0.5, 4, use_graphs=False)
+    before = dec.page_table.clone()
+    for _ in range(30):
+        dec.step()
+    rows = dec.page_table.view(-1, dec.cap)
+    assert dec.rounds == 8
+    # Each row still names distinct pages, the same set, and the sink block stayed.
+    assert all(len(set(r.tolist())) == dec.cap for r in rows)
+    assert torch.equal(rows.sort(1).values, before.view(-1, dec.cap).sort(1).values)
+    assert torch.equal(dec.page_table[..., 0], before[..., 0])
