@@ -41,13 +41,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def proc_start_time(pid: int) -> str | None:
-    """Kernel start time of pid: tells our process apart from a later one reusing its pid."""
+def _stat(pid: int) -> list[str] | None:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def proc_start_time(pid: int) -> str | None:
+    """Kernel start time of pid: tells our process apart from a later one reusing its pid."""
+    stat = _stat(pid)
+    return None if stat is None else stat[19]
 
 
 @dataclass
@@ -60,7 +64,9 @@ class Proc:
     started: str | None = None
 
     def alive(self) -> bool:
-        return self.started is not None and proc_start_time(self.pid) == self.started
+        stat = _stat(self.pid)
+        # A zombie (exited, not yet reaped by its parent) still has its /proc entry.
+        return stat is not None and self.started is not None and stat[19] == self.started and stat[0] != "Z"
 
 
 @dataclass
@@ -117,13 +123,7 @@ def _died(proc: Proc) -> bool:
         os.waitpid(proc.pid, os.WNOHANG)
     except ChildProcessError:
         pass
-    if not proc.alive():
-        return True
-    # A zombie (our own child that exited) still has its /proc entry.
-    try:
-        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    return not proc.alive()
 
 
 def _serving(address: str) -> bool:

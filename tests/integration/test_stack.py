@@ -80,7 +80,9 @@ def test_cache_manager_killed_mid_stream(stack, gateway, compute, otlp):
     assert final is not None and final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
     assert final.usage.completion_tokens == 600
     assert final.usage.policy == "learned" and final.usage.kv_blocks_evicted > 0
-    assert final.usage.fallback_evictions > 0, "blocks evicted after the kill must be counted as fallback"
+    # Late plans cause some fallback even with a live cache-manager (measured: 0-16% of
+    # evictions); killed after 1/6 of the stream, most evictions must be fallback.
+    assert final.usage.fallback_evictions >= 0.5 * final.usage.kv_blocks_evicted, final.usage
     assert not compute_info(compute).advisor_connected
     # Bring it back for the other tests; compute reconnects on its own.
     restart_service(stack, "cache-manager", env=stack_env(otlp.port))

@@ -1,0 +1,57 @@
+"""`kvpop up`, `kvpop generate`, `kvpop down` end to end, as a user runs them."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvpop.launcher import Proc
+from kvpop.paths import REPO_ROOT
+
+
+def kvpop(*args, state_dir, timeout=180):
+    env = {**os.environ, "KVPOP_STATE_DIR": str(state_dir)}
+    return subprocess.run([sys.executable, "-m", "kvpop.cli", *args], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_up_generate_down(tmp_path):
+    state = tmp_path / "state"
+    up = kvpop("up", "--block-size", "8", "--timeout", "150", state_dir=state)
+    assert up.returncode == 0, up.stderr
+    try:
+        stack = json.loads((state / "stack.json").read_text())
+        assert up.stdout.strip() == stack["gateway"]
+        assert {p["name"] for p in stack["processes"]} == {"redis", "cache-manager", "compute", "gateway"}
+        assert "gateway        SERVING" in up.stderr
+
+        # A second `up` on the same state refuses instead of starting twins.
+        again = kvpop("up", state_dir=state, timeout=30)
+        assert again.returncode == 1 and "already running" in again.stderr
+
+        gen = kvpop("generate", "Once upon a time", "--max-tokens", "16", "--ignore-eos", "--policy", "learned",
+                    "--kv-budget", "0.5", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50",
+                    "--stop", "zzzz", "--session", "cli-test", state_dir=state, timeout=60)
+        assert gen.returncode == 0, gen.stderr
+        assert gen.stdout.strip(), "no text streamed"
+        assert "[length]" in gen.stderr and "completion 16 tok" in gen.stderr and "policy learned" in gen.stderr
+        # Same seed, same text.
+        gen2 = kvpop("generate", "Once upon a time", "--max-tokens", "16", "--ignore-eos", "--policy", "learned",
+                     "--kv-budget", "0.5", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9",
+                     "--top-k", "50", state_dir=state, timeout=60)
+        assert gen2.stdout == gen.stdout
+
+        bad = kvpop("generate", "x", "--policy", "nope", state_dir=state, timeout=60)
+        assert bad.returncode == 1
+        assert "INVALID_ARGUMENT: unknown policy 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        down = kvpop("down", state_dir=state, timeout=90)
+    assert down.returncode == 0, down.stderr
+    assert not (state / "stack.json").exists()
+    assert not any(Proc(**p).alive() for p in stack["processes"]), "a process survived `kvpop down`"
+    nostack = kvpop("generate", "x", state_dir=state, timeout=60)
+    assert nostack.returncode != 0 and "kvpop up" in nostack.stderr and "Traceback" not in nostack.stderr
