@@ -238,6 +238,9 @@ def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, 
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
     proc = _spawn(stack, name, old.cmd, old.address, child_env)
     deadline = time.monotonic() + timeout
+    if name == "redis":
+        _wait_redis(proc, int(proc.address.rsplit(":", 1)[1]), deadline)
+        return proc
     while not _serving(proc.address):
         if _died(proc):
             raise LaunchError(f"{name} exited during restart; log {proc.log}:\n{log_tail(proc)}")

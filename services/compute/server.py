@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from kvpop import telemetry
 from kvpop.config import ComputeConfig
@@ -118,6 +119,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         budget = ev.budget_tokens if which == "budget_tokens" else ev.budget_fraction if which else None
         eviction = EvictionParams(policy=ev.policy or "dense", budget=budget)
         rid = request.request_id
+        span = trace.get_current_span()
+        span.set_attribute("kvpop.request_id", rid)
+        span.set_attribute("kvpop.prompt_tokens", len(ids))
+        span.set_attribute("kvpop.policy", eviction.policy)
         if self.advisor is not None:
             self.advisor.set_context(rid, telemetry.inject())
         stream = self.engine.generate(rid, ids, sampling, eviction)

@@ -54,7 +54,10 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         return self.info.model
 
     async def GetModelInfo(self, request, context):
-        return await self._model_info(context)
+        info = generate_pb2.ModelInfo()
+        info.CopyFrom(await self._model_info(context))
+        info.default_policy = self.cfg.default_policy
+        return info
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         info = await self._model_info(context)

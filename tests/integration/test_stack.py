@@ -2,6 +2,7 @@
 cache-manager mid-stream, and one trace across all of them."""
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -10,7 +11,10 @@ import threading
 import grpc
 
 from conftest import BLOCK_SIZE, compute_info, stack_env, wait_until
+import redis
+
 from kvpop.launcher import restart_service
+from kvpop.launcher_down import stop_process
 from kvpop.pb import generate_pb2
 
 
@@ -101,3 +105,24 @@ def test_one_trace_spans_all_services(gateway, compute, otlp):
     got = otlp.wait_for(trace_id, want, timeout=15)
     assert want <= got, f"trace {trace_id} has spans from {got} only"
     assert ("cache-manager", "cache_manager.plan") in otlp.span_names(trace_id)
+
+
+def test_redis_outage_does_not_fail_streams_and_sessions_catch_up(stack, gateway):
+    r = redis.Redis.from_url(stack.redis_url)
+    sid = "outage-" + secrets.token_hex(4)
+    req = request(max_tokens=8, policy="dense", session_id=sid)
+    collect(gateway.Generate(req, timeout=60))
+    wait_until(lambda: r.exists(f"kvpop:v1:session:{sid}"), 10, "the first turn to be stored")
+
+    stop_process(stack.proc("redis"), grace=10)
+    _, text, final = collect(gateway.Generate(req, timeout=60))
+    assert final is not None and final.usage.completion_tokens == 8, "a Redis outage must not fail a stream"
+
+    restart_service(stack, "redis")
+    # The turn made during the outage was queued and lands once Redis is back, in order.
+    wait_until(lambda: r.llen(f"kvpop:v1:session:{sid}:turns") == 2, 15, "the queued turn to be stored")
+    meta = json.loads(r.get(f"kvpop:v1:session:{sid}"))
+    assert meta["turns"] == 2 and meta["model"] and meta["replica"]
+    turns = [json.loads(t) for t in r.lrange(f"kvpop:v1:session:{sid}:turns", 0, -1)]
+    assert turns[1]["completion"] == text and len(turns[1]["completion_token_ids"]) == 8
+    assert turns[0]["prompt_token_ids"] and r.ttl(f"kvpop:v1:session:{sid}") > 0
