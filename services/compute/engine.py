@@ -174,8 +174,10 @@ class LLMEngine:
         return outputs
 
     def _after_step(self, seq: Sequence) -> None:
-        update_features(seq, self.pool)
-        if seq.eviction.policy == LEARNED and self.advisor is not None:
+        learned = seq.eviction.policy == LEARNED
+        if learned or seq.policy.uses_keys:
+            update_features(seq, self.pool)
+        if learned and self.advisor is not None:
             feats = blocks_leaving_window(seq)
             if feats:
                 self.advisor.submit(feats)

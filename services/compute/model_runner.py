@@ -108,13 +108,16 @@ class ModelRunner:
 
         for seq, t in batch:
             seq.num_cached += t
+        # Dense sequences never evict: their statistics would go unused.
         if decode:
             mass = torch.stack(dec_mass)                                       # [L, B, Hkv, NBmax]
             for b, (seq, _) in enumerate(decode):
-                m = mass[:, b, :, :seq.num_blocks]
-                seq.observe(m, m, m[:, :, None])
+                if seq.eviction.budget_blocks is not None:
+                    m = mass[:, b, :, :seq.num_blocks]
+                    seq.observe(m, m, m[:, :, None])
         for pf in prefill:
-            pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
+            if pf.seq.eviction.budget_blocks is not None:
+                pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
         return logits, sampled
 
     def _decode_meta(self, decode):

@@ -16,6 +16,7 @@ from services.compute.sequence import Sequence
 class Policy:
     name = "base"
     evicts = True
+    uses_keys = False    # needs per-block key summaries (computed when a block fills)
 
     def score(self, seq: Sequence) -> torch.Tensor:
         raise NotImplementedError
@@ -72,7 +73,7 @@ class SnapKVPolicy(Policy):
 class KNormPolicy(Policy):
     """Keys with a low L2 norm attract attention: keep the lowest norms.
     Block level: the norm of the block's mean key."""
-    name = "knorm"
+    name, uses_keys = "knorm", True
 
     def score(self, seq):
         return -torch.linalg.vector_norm(seq.key_mean, dim=-1)
@@ -80,7 +81,7 @@ class KNormPolicy(Policy):
 
 class KeyDiffPolicy(Policy):
     """Keep the most distinctive keys: low cosine similarity to the row's mean key."""
-    name = "keydiff"
+    name, uses_keys = "keydiff", True
 
     def score(self, seq):
         anchor = seq.key_mean.mean(2, keepdim=True)
