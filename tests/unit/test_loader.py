@@ -167,3 +167,21 @@ def test_default_model_loads():
     with torch.inference_mode():
         logits = model.forward_dense(ids)
     assert logits.shape == (1, 4, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_config_layouts_agree():
+    """Pre-v5 transformers configs (rope_theta + rope_scaling, torch_dtype) and
+    v5 ones (rope_parameters, dtype) give the same ModelConfig."""
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "torch_dtype": "bfloat16",
+                               "rope_scaling": {"type": "llama3", **scaling}})
+    new = ModelConfig.from_hf({**base, "dtype": "bfloat16",
+                               "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    assert old == new
+    assert old.rope_theta == 5e5 and old.rope_scaling["rope_type"] == "llama3"
+    assert ModelConfig.from_hf(old.to_hf()) == old
+    default = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert default.rope_scaling is None and default.head_dim == 4 and default.architecture == "llama"
