@@ -7,6 +7,7 @@ benchmarks and the compute gRPC server (through AsyncEngine) all use it.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,8 @@ from services.compute.policies import LEARNED, get_policy
 from services.compute.sampler import SamplingParams, make_generator, sample
 from services.compute.scheduler import Scheduler
 from services.compute.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineConfig", "EvictionParams", "LLMEngine", "SamplingParams", "StepOutput", "Usage"]
 
@@ -153,11 +156,10 @@ class LLMEngine:
             if rid in self.seqs:
                 outputs.append(self._finish(self.seqs[rid], "abort", None, "", None))
         self._aborts.clear()
-        if self.advisor is not None:
-            for rid, plan in self.advisor.take_plans().items():
-                seq = self.seqs.get(rid)
-                if seq is not None and seq.eviction.policy == LEARNED:
-                    seq.pending_plan = plan
+        for rid, plan in (self._advise("take_plans") or {}).items():
+            seq = self.seqs.get(rid)
+            if seq is not None and seq.eviction.policy == LEARNED:
+                seq.pending_plan = plan
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
@@ -173,6 +175,18 @@ class LLMEngine:
                 self._after_step(seq)
         return outputs
 
+    def _advise(self, method: str, *args):
+        """Call the advisor; a failing advisor is like an absent one (the
+        fallback policy keeps memory bounded), never a failed request."""
+        if self.advisor is None:
+            return None
+        try:
+            return getattr(self.advisor, method)(*args)
+        except Exception:
+            self.counters["advisor_errors"] += 1
+            log.exception("eviction advisor %s failed", method)
+            return None
+
     def _after_step(self, seq: Sequence) -> None:
         learned = seq.eviction.policy == LEARNED
         if learned or seq.policy.uses_keys:
@@ -180,7 +194,7 @@ class LLMEngine:
         if learned and self.advisor is not None:
             feats = blocks_leaving_window(seq)
             if feats:
-                self.advisor.submit(feats)
+                self._advise("submit", feats)
         before = seq.evicted_blocks
         eviction_round(seq, self.pool)
         self.evictions_by_policy[seq.eviction.policy] += seq.evicted_blocks - before
@@ -234,8 +248,8 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
-        if self.advisor is not None and seq.eviction.policy == LEARNED:
-            self.advisor.release(seq.request_id)
+        if seq.eviction.policy == LEARNED:
+            self._advise("release", seq.request_id)
         self.counters["finished_requests"] += 1
         self.counters[f"finish_{reason}"] += 1
         self.counters["fallback_evictions"] += seq.fallback_evictions
@@ -280,4 +294,5 @@ class LLMEngine:
             "steps": self.counters["steps"],
             "finished_requests": self.counters["finished_requests"],
             "budget_shrinks": self.scheduler.budget_shrinks,
+            "advisor_errors": self.counters["advisor_errors"],
         }

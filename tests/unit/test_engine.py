@@ -251,3 +251,56 @@ async def _wait_until(cond, timeout: float = 10.0) -> bool:
             return True
         await asyncio.sleep(0.01)
     return cond()
+
+
+class BrokenAdvisor(InProcessAdvisor):
+    """An advisor whose every call raises: it must count as absent."""
+
+    def submit(self, features):
+        raise ConnectionError("advisor down")
+
+    def take_plans(self):
+        raise ConnectionError("advisor down")
+
+
+def test_failing_advisor_is_treated_as_absent(model):
+    engine = tiny_engine(model, advisor=BrokenAdvisor())
+    outs = list(engine.generate(random_prompt(60, 1), SamplingParams(max_tokens=10, ignore_eos=True),
+                                EvictionParams("learned", budget=24, sink=4, recent=4)))
+    u = outs[-1].usage
+    assert len(outs) == 10 and u.kv_blocks_evicted > 0 and u.fallback_evictions == u.kv_blocks_evicted
+    assert engine.stats()["advisor_errors"] > 0
+
+
+def test_async_engine_survives_a_failing_step(model):
+    """Fault injection: one step raises. The requests in it get EngineError;
+    the loop keeps serving new requests and frees their pages."""
+    from services.compute.async_engine import EngineError
+
+    engine = tiny_engine(model)
+    aengine = AsyncEngine(engine)
+    real_run, calls = engine.runner.run, {"n": 0}
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return real_run(batch)
+
+    engine.runner.run = flaky
+    prompt = random_prompt(9, seed=2)
+
+    async def first():
+        with pytest.raises(EngineError, match="injected"):
+            async for _ in aengine.generate("victim", prompt, SamplingParams(max_tokens=20, ignore_eos=True)):
+                pass
+
+    async def second():
+        return [o.token_id async for o in aengine.generate("after", prompt, SamplingParams(max_tokens=6, ignore_eos=True))]
+
+    try:
+        asyncio.run(first())
+        assert asyncio.run(second()) == dense_greedy(model, prompt, 6)
+        assert aengine.is_alive() and aengine.stats()["pages_used"] == 0
+    finally:
+        aengine.shutdown()
