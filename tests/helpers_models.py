@@ -73,7 +73,8 @@ class ContiguousKVCache:
     """One growing K/V tensor per (sequence, layer): the simplest correct cache,
     used as the reference for paged/evicting caches."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        self.window = window  # Mistral's sliding window, when the model has one
         self.k: dict[tuple[object, int], Tensor] = {}
         self.v: dict[tuple[object, int], Tensor] = {}
 
@@ -94,7 +95,10 @@ class ContiguousKVCache:
                 vv = v[start:start + n] if past == 0 else torch.cat([self.v[key], v[start:start + n]])
                 self.k[key], self.v[key] = kk, vv
                 qpos = past + torch.arange(n)
-                mask = torch.arange(past + n)[None, :] <= qpos[:, None]  # [n, past+n], causal
+                kpos = torch.arange(past + n)[None, :]
+                mask = kpos <= qpos[:, None]  # [n, past+n], causal
+                if self.window is not None:
+                    mask &= kpos > qpos[:, None] - self.window
                 o = F.scaled_dot_product_attention(
                     q[start:start + n].transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
                     attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

@@ -127,17 +127,24 @@ class TransformerModel(nn.Module):
         count real tokens only (cumsum - 1), so a left-padded row matches the
         same row unpadded. Returns float32 logits [B, S, vocab]."""
         B, S = input_ids.shape
+        dev = input_ids.device
         x = self.model.embed_tokens(input_ids)
+        window = self.config.sliding_window
+        windowed = window is not None and S > window
         if attention_mask is None:
-            positions = torch.arange(S, device=input_ids.device).expand(B, S)
-            mask = None
+            positions = torch.arange(S, device=dev).expand(B, S)
         else:
-            keep = attention_mask.to(torch.bool)
-            positions = (keep.long().cumsum(-1) - 1).clamp_min(0)
-            causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).tril()
-            eye = torch.eye(S, dtype=torch.bool, device=input_ids.device)
-            # A padding query still sees itself, so its softmax row is never empty (no NaN).
-            mask = (causal & (keep[:, None, :] | eye))[:, None]
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        mask = None
+        if attention_mask is not None or windowed:
+            idx = torch.arange(S, device=dev)
+            allowed = idx[None, :] <= idx[:, None]  # causal [S, S]
+            if windowed:  # Mistral: a query sees only the last `window` keys, itself included
+                allowed = allowed & (idx[None, :] > idx[:, None] - window)
+            if attention_mask is not None:
+                # A padding query still sees itself, so its softmax row is never empty (no NaN).
+                allowed = allowed & (attention_mask.bool()[:, None, :] | torch.eye(S, dtype=torch.bool, device=dev))
+            mask = allowed.expand(B, S, S)[:, None]
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         gqa = self.config.num_heads != self.config.num_kv_heads

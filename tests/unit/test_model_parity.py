@@ -28,8 +28,9 @@ CASES = {
     "llama3_rope_tied": ("llama", {"rope_scaling": LLAMA3_ROPE, "tie_word_embeddings": True}, None),
     "llama_sharded": ("llama", {"num_key_value_heads": 1}, "100KB"),
     "qwen2_bias": ("qwen2", {}, None),
-    # max_position_embeddings below SEQ_LEN: RoPE tables must grow, as HF's on-the-fly rope does.
-    "mistral_long": ("mistral", {"max_position_embeddings": 32}, None),
+    # Longer than both max_position_embeddings (RoPE tables must grow, as HF's
+    # on-the-fly rope does) and the sliding window.
+    "mistral_long": ("mistral", {"max_position_embeddings": 32, "sliding_window": 12}, None),
 }
 
 SEQ_LEN = 48
@@ -71,7 +72,7 @@ def test_varlen_prefill_then_decode_fp32(checkpoint):
     step's logits equal HF's full-sequence logits at that position."""
     _, path, _, ids, ref = checkpoint
     model = load_model(path, dtype="float32")
-    cache = ContiguousKVCache()
+    cache = ContiguousKVCache(model.config.sliding_window)
     prompt = {"a": 17, "b": 5}
     logits = run_step(model, cache, [(s, ids[i, :prompt[s]].tolist()) for i, s in enumerate("ab")])
     for i, s in enumerate("ab"):
@@ -89,7 +90,7 @@ def test_chunked_prefill_matches_dense(checkpoint):
     """A prompt fed in three uneven chunks (the engine's chunked prefill)."""
     _, path, _, ids, ref = checkpoint
     model = load_model(path)
-    cache = ContiguousKVCache()
+    cache = ContiguousKVCache(model.config.sliding_window)
     for lo, hi in [(0, 10), (10, 11), (11, 30)]:
         logits = run_step(model, cache, [("x", ids[1, lo:hi].tolist())])
         assert (logits[0] - ref[1, hi - 1]).abs().max().item() <= FP32_ATOL
@@ -105,7 +106,7 @@ def test_bf16_prefill_and_decode(checkpoint):
     model = load_model(path, dtype="bfloat16")
     assert model.dtype == torch.bfloat16
     dense_err = (model.forward_dense(ids) - ref).abs()
-    cache = ContiguousKVCache()
+    cache = ContiguousKVCache(model.config.sliding_window)
     run_step(model, cache, [("a", ids[0, :8].tolist())])
     steps = torch.stack([run_step(model, cache, [("a", [ids[0, t].item()])])[0] for t in range(8, SEQ_LEN)])
     decode_err = (steps - ref[0, 8:]).abs()
@@ -151,7 +152,7 @@ def test_attention_callback_contract(checkpoint):
     model = load_model(path)
     cfg = model.config
     seen = []
-    cache = ContiguousKVCache()
+    cache = ContiguousKVCache(model.config.sliding_window)
     inner = cache.attention(["a", "b"], [3, 4])
 
     def attention(layer, q, k, v):
