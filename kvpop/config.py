@@ -52,6 +52,8 @@ class ServerConfig:
                                      "largest gRPC message accepted (RESOURCE_EXHAUSTED beyond)")
 
     def validate(self) -> None:
+        if not -1 <= getattr(self, "metrics_port", -1) < 65536:
+            raise ConfigError("KVPOP_METRICS_PORT must be -1 (off), 0 (any free port) or a port")
         if self.grace_s < 0:
             raise ConfigError("KVPOP_GRACE_S must be >= 0")
         if self.max_message_bytes < 1024:
@@ -63,6 +65,8 @@ class ServerConfig:
 @dataclass
 class CacheManagerConfig(ServerConfig):
     port: int = setting("KVPOP_CACHE_MANAGER_PORT", 50053, "cache-manager port (0 = any free port)")
+    metrics_port: int = setting("KVPOP_METRICS_PORT", 9093, "HTTP port of /metrics and /healthz "
+                                "(0 = any free port, -1 = off)")
     max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 1024,
                                    "most block numbers per (layer, kv-head) in one eviction plan")
 
@@ -70,6 +74,8 @@ class CacheManagerConfig(ServerConfig):
 @dataclass
 class ComputeConfig(ServerConfig):
     port: int = setting("KVPOP_COMPUTE_PORT", 50052, "compute port (0 = any free port)")
+    metrics_port: int = setting("KVPOP_METRICS_PORT", 9092, "HTTP port of /metrics and /healthz "
+                                "(0 = any free port, -1 = off)")
     model: str = setting("KVPOP_MODEL_DIR", str(DEFAULT_MODEL_DIR), "model folder (Hugging Face layout)")
     device: str = setting("KVPOP_DEVICE", "auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("KVPOP_DTYPE", "auto", "float32, bfloat16, float16 or auto (the checkpoint's)")
@@ -94,6 +100,8 @@ class ComputeConfig(ServerConfig):
 @dataclass
 class GatewayConfig(ServerConfig):
     port: int = setting("KVPOP_GATEWAY_PORT", 50051, "public gateway port (0 = any free port)")
+    metrics_port: int = setting("KVPOP_METRICS_PORT", 9091, "HTTP port of /metrics and /healthz "
+                                "(0 = any free port, -1 = off)")
     compute_address: str = setting("KVPOP_COMPUTE_ADDRESS", "127.0.0.1:50052", "host:port of compute")
     redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for sessions ('' = sessions not stored)")
     default_policy: str = setting("KVPOP_DEFAULT_POLICY", "learned", "policy when a request names none")

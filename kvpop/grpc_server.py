@@ -91,6 +91,17 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
     service = GrpcService(name, cfg, internal=internal)
     app = await build(cfg, service)
     await service.start()
+    serving = False
+    metrics_server = None
+    mport = getattr(cfg, "metrics_port", -1)
+    if mport >= 0:
+        from kvpop.metrics import start_metrics_server
+
+        try:
+            metrics_server = start_metrics_server(mport, cfg.host, ready=lambda: serving, service=name)
+        except OSError as e:
+            raise RuntimeError(f"{name}: cannot serve metrics on {cfg.host}:{mport}: {e}") from None
+        log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, metrics_server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,10 +117,12 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
             rc = 1
         else:
             await service.set_serving(True)
+            serving = True
             log.info("%s SERVING on %s:%d", name, cfg.host, service.port)
             await stopped
     else:
         ready.cancel()
+    serving = False
     log.info("%s draining (grace %.1fs)", name, cfg.grace_s)
     await service.health.enter_graceful_shutdown()
     await service.server.stop(cfg.grace_s)
@@ -117,6 +130,8 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
         await app.close()
     except Exception:  # noqa: BLE001 - closing must not mask the exit code
         log.exception("%s close failed", name)
+    if metrics_server is not None:
+        metrics_server.close()
     log.info("%s stopped", name)
     return rc
 

@@ -75,6 +75,7 @@ class Stack:
     gateway: str = ""
     redis_url: str = ""
     processes: list[Proc] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)
 
     def save(self) -> None:
         path = Path(self.state_dir) / STATE_FILE
@@ -89,7 +90,7 @@ class Stack:
             return None
         raw = json.loads(path.read_text())
         return cls(state_dir=raw["state_dir"], gateway=raw.get("gateway", ""), redis_url=raw.get("redis_url", ""),
-                   processes=[Proc(**p) for p in raw.get("processes", [])])
+                   processes=[Proc(**p) for p in raw.get("processes", [])], metrics=raw.get("metrics", {}))
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.processes if p.name == name)
@@ -191,6 +192,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         addr = {n: f"{host}:{p}" for n, p in ports.items()}
         # Clients reach a 0.0.0.0 listener through loopback.
         dial = {n: f"127.0.0.1:{p}" if host in ("0.0.0.0", "::") else addr[n] for n, p in ports.items()}
+        # Fixed default metrics ports would collide between stacks on one host.
+        mports = {n: free_port() for n in SERVICES}
+        stack.metrics = {n: f"http://{dial[n].rsplit(':', 1)[0]}:{mports[n]}/metrics" for n in SERVICES}
         py = [sys.executable, "-m"]
         cmds = {
             "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host],
@@ -201,7 +205,8 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
                         "--compute-address", dial["compute"], "--redis-url", redis_url,
                         *(["--default-policy", policy] if policy else [])],
         }
-        procs = {n: _spawn(stack, n, [*cmds[n], *extra.get(n, [])], dial[n], child_env) for n in SERVICES}
+        procs = {n: _spawn(stack, n, [*cmds[n], "--metrics-port", str(mports[n]), *extra.get(n, [])], dial[n],
+                           child_env) for n in SERVICES}
         stack.gateway = dial["gateway"]
         stack.save()
         waiting = list(SERVICES)

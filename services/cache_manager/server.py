@@ -15,6 +15,7 @@ from kvpop import telemetry
 from kvpop.arrays import from_float_array, to_int_array
 from kvpop.config import CacheManagerConfig
 from kvpop.grpc_server import GrpcService
+from kvpop.metrics import get_metrics
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
 from services.cache_manager.heuristic import AttentionPerAge, plan
@@ -58,7 +59,8 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                     span.set_attribute("kvpop.request_id", msg.features.request_id)
                     span.set_attribute("kvpop.blocks", len(msg.features.blocks))
                     try:
-                        reply = self._apply(msg.features)
+                        with get_metrics().scoring_latency.time():
+                            reply = self._apply(msg.features)
                     except ValueError as e:
                         log.warning("skipping features for %s: %s", msg.features.request_id, e)
                         span.set_attribute("kvpop.error", str(e))

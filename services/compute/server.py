@@ -18,6 +18,7 @@ from opentelemetry import trace
 from kvpop import telemetry
 from kvpop.config import ComputeConfig
 from kvpop.grpc_server import GrpcService
+from kvpop.metrics import EngineStatsRefresher, get_metrics
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             self.advisor.set_context(rid, telemetry.inject())
         stream = self.engine.generate(rid, ids, sampling, eviction)
         first = True
+        timer = get_metrics().request()
         try:
             async for out in stream:
+                if out.token_id is not None:
+                    timer.token()
+                if out.finished:
+                    timer.finish(out.finish_reason or "")
                 resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
                 if first:
                     resp.prompt_token_ids.extend(ids)
@@ -159,10 +165,13 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                             policy=u.policy, fallback_evictions=u.fallback_evictions))
                 yield resp
         except ValueError as e:
+            timer.fail("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineError as e:
+            timer.fail("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
+            timer.fail("cancelled")     # no-op when the stream finished
             # Closing the engine stream early aborts the sequence (pages freed next step).
             await stream.aclose()
 
@@ -170,13 +179,18 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 class ComputeApp:
     def __init__(self, servicer: ComputeServicer):
         self.servicer = servicer
+        self.refresher: EngineStatsRefresher | None = None
 
     async def ready(self) -> None:
         await asyncio.to_thread(self.servicer.load, asyncio.get_running_loop())
         if self.servicer.advisor is not None:
             self.servicer.advisor.start()
+        # Token counts, pool pages and evictions come from the engine's own stats.
+        self.refresher = EngineStatsRefresher(self.servicer.engine.stats).start()
 
     async def close(self) -> None:
+        if self.refresher is not None:
+            await self.refresher.stop()
         s = self.servicer
         if s.advisor is not None:
             await s.advisor.close()

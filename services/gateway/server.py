@@ -17,6 +17,7 @@ import grpc
 from kvpop import security, telemetry
 from kvpop.config import GatewayConfig
 from kvpop.grpc_server import GrpcService
+from kvpop.metrics import get_metrics
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
 from kvpop.store import SessionStore, Turn
 from services.gateway.validation import Invalid, validate
@@ -68,6 +69,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         remaining = context.time_remaining()
         call = self.compute.Generate(creq, timeout=remaining)
         text, ids, prompt_ids, finish = [], [], [], ""
+        timer = get_metrics().request()
         try:
             async for resp in call:
                 if resp.prompt_token_ids:
@@ -76,16 +78,24 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                 if r.HasField("chunk"):
                     text.append(r.chunk.text)
                     ids.extend(r.chunk.token_ids)
+                    timer.token(len(r.chunk.token_ids))
                 elif r.HasField("finished"):
                     finish = _FINISH_WORDS.get(r.finished.finish_reason, r.finished.finish_reason_text)
+                    u = r.finished.usage
+                    timer.finish(finish, u.prompt_tokens, u.completion_tokens)
                 yield r
+        except asyncio.CancelledError:
+            timer.fail("cancelled")
+            raise
         except grpc.aio.AioRpcError as e:
             code = e.code()
+            timer.fail(code.name)
             if code in _UNAVAILABLE:
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"compute at {self.cfg.compute_address} is unavailable: {e.details()}")
             await context.abort(code, e.details() or code.name)
         finally:
+            timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Client cancelled or deadline hit: tell compute so it frees the sequence now.
             if not call.done():
                 call.cancel()

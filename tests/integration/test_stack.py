@@ -126,3 +126,23 @@ def test_redis_outage_does_not_fail_streams_and_sessions_catch_up(stack, gateway
     turns = [json.loads(t) for t in r.lrange(f"kvpop:v1:session:{sid}:turns", 0, -1)]
     assert turns[1]["completion"] == text and len(turns[1]["completion_token_ids"]) == 8
     assert turns[0]["prompt_token_ids"] and r.ttl(f"kvpop:v1:session:{sid}") > 0
+
+
+def test_metrics_endpoints(stack, gateway):
+    import urllib.request
+
+    collect(gateway.Generate(request(max_tokens=40, ignore_eos=True, policy="learned", budget_tokens=64),
+                             timeout=60))
+
+    def scrape(name: str) -> str:
+        with urllib.request.urlopen(stack.metrics[name], timeout=5) as r:
+            return r.read().decode()
+
+    def value(text: str, metric: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric))
+
+    assert value(scrape("gateway"), "kvpop_time_to_first_token_seconds_count") >= 1
+    assert value(scrape("gateway"), "kvpop_generation_tokens_total") >= 40
+    wait_until(lambda: value(scrape("compute"), "kvpop_generation_tokens_total") >= 40, 10, "engine stats refresh")
+    assert value(scrape("compute"), "kvpop_kv_pool_pages_total") > 0
+    assert value(scrape("cache-manager"), "kvpop_scoring_latency_seconds_count") >= 1
