@@ -195,9 +195,7 @@ class LLMEngine:
             feats = blocks_leaving_window(seq)
             if feats:
                 self._advise("submit", feats)
-        before = seq.evicted_blocks
         eviction_round(seq, self.pool)
-        self.evictions_by_policy[seq.eviction.policy] += seq.evicted_blocks - before
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
         p = seq.sampling
@@ -253,6 +251,7 @@ class LLMEngine:
         self.counters["finished_requests"] += 1
         self.counters[f"finish_{reason}"] += 1
         self.counters["fallback_evictions"] += seq.fallback_evictions
+        self.evictions_by_policy[seq.eviction.policy] += seq.evicted_blocks
         return StepOutput(seq.request_id, tok, delta, logprob, True, reason, usage)
 
     def fail_all(self, reason: str = "error") -> list[StepOutput]:
@@ -278,7 +277,13 @@ class LLMEngine:
                         return
 
     def stats(self) -> dict:
+        # Finished requests' counts plus live ones': monotonic, and it includes
+        # evictions made by cleanup shrinks between steps.
         live_fallback = sum(s.fallback_evictions for s in self.seqs.values())
+        evictions = Counter(self.evictions_by_policy)
+        for s in self.seqs.values():
+            if s.eviction.budget_blocks is not None:
+                evictions[s.eviction.policy] += s.evicted_blocks
         return {
             "pages_total": self.pool.capacity,
             "pages_used": self.pool.num_used,
@@ -287,7 +292,7 @@ class LLMEngine:
             "pool_utilisation": self.pool.utilisation(),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "evictions": dict(self.evictions_by_policy),
+            "evictions": dict(evictions),
             "fallback_evictions": self.counters["fallback_evictions"] + live_fallback,
             "generated_tokens": self.counters["generated_tokens"],
             "prompt_tokens": self.counters["prompt_tokens"],

@@ -242,6 +242,8 @@ def eviction_round(seq: Sequence, pool: KVPool) -> None:
             evict_blocks(seq, pool, NB - target, seq.policy.score(seq))
         return
     plan = seq.pending_plan
+    if plan is not None and tuple(plan.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
+        plan = seq.pending_plan = None   # a malformed plan is no plan
     if NB > target and (plan is not None or NB > target + st.slack_blocks):
         seq.pending_plan = None
         if plan is None:   # the advisor is late: evict locally, and count it

@@ -34,7 +34,7 @@ class EvictionState:
     slack_blocks: int = 0          # learned only: overrun allowed while waiting for a plan
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: a sequence is compared by object, never by tensors
 class Sequence:
     request_id: str
     prompt_ids: list[int]
@@ -45,12 +45,10 @@ class Sequence:
     head_dim: int
     block_size: int
     device: torch.device | str = "cpu"
-    max_pages: int = 0             # reservation: the most pages this sequence can ever hold
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached: int = 0            # tokens whose K/V are in pages
     finish_reason: str | None = None
-    aborted: bool = False
     # counters
     evicted_blocks: int = 0        # summed over (layer, kv-head) rows
     fallback_evictions: int = 0
