@@ -23,6 +23,7 @@ def test_up_generate_down(tmp_path):
     state = tmp_path / "state"
     up = kvpop("up", "--block-size", "8", "--timeout", "150", state_dir=state)
     assert up.returncode == 0, up.stderr
+    streaming = None
     try:
         stack = json.loads((state / "stack.json").read_text())
         assert up.stdout.strip() == stack["gateway"]
@@ -48,9 +49,19 @@ def test_up_generate_down(tmp_path):
         bad = kvpop("generate", "x", "--policy", "nope", state_dir=state, timeout=60)
         assert bad.returncode == 1
         assert "INVALID_ARGUMENT: unknown policy 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+        # `kvpop down` while a stream runs: the gateway drains it before compute goes away.
+        env = {**os.environ, "KVPOP_STATE_DIR": str(state)}
+        streaming = subprocess.Popen([sys.executable, "-m", "kvpop.cli", "generate", "Drain me", "--max-tokens",
+                                      "200", "--ignore-eos", "--policy", "dense"], cwd=REPO_ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert os.read(streaming.stdout.fileno(), 1), "the stream never started"
     finally:
         down = kvpop("down", state_dir=state, timeout=90)
     assert down.returncode == 0, down.stderr
+    assert streaming is not None
+    _, err = streaming.communicate(timeout=30)
+    assert streaming.returncode == 0 and b"completion 200 tok" in err, err.decode(errors="replace")
     assert not (state / "stack.json").exists()
     assert not any(Proc(**p).alive() for p in stack["processes"]), "a process survived `kvpop down`"
     nostack = kvpop("generate", "x", state_dir=state, timeout=60)

@@ -146,3 +146,21 @@ def test_metrics_endpoints(stack, gateway):
     wait_until(lambda: value(scrape("compute"), "kvpop_generation_tokens_total") >= 40, 10, "engine stats refresh")
     assert value(scrape("compute"), "kvpop_kv_pool_pages_total") > 0
     assert value(scrape("cache-manager"), "kvpop_scoring_latency_seconds_count") >= 1
+
+
+def test_every_service_has_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    want = {"gateway": "kvpop.v1.KVpop", "compute": "kvpop.compute.v1.Compute",
+            "cache-manager": "kvpop.cache.v1.CacheManager"}
+    for name, service in want.items():
+        with grpc.insecure_channel(stack.proc(name).address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING, name
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=5)
+            listed = {s.name for r in replies for s in r.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= listed, (name, listed)
+        assert stack.proc(name).address.startswith("127.0.0.1:"), "services bind loopback by default"
