@@ -1,0 +1,247 @@
+"""compose/docker-compose.yml without a Docker engine: the file is parsed, every
+command of ours is a real entry point that starts, its settings are ones the
+services read, and each health check command is run against the services
+started locally the way compose starts them (same command, same environment,
+host names and ports mapped to loopback)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, free_port
+
+COMPOSE_DIR = REPO / "compose"
+OURS = ("cache-manager", "compute", "gateway")
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((COMPOSE_DIR / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def scripts() -> dict[str, str]:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def _env(svc: dict) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def _default(value: str) -> str:
+    """`${VAR:-default}` as compose resolves it when VAR is unset."""
+    return re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", value)
+
+
+def test_services_and_structure(compose):
+    svcs = compose["services"]
+    assert set(svcs) == {"redis", "cache-manager", "compute", "gateway", "otel-collector", "jaeger"}
+    redis = svcs["redis"]
+    assert "--appendonly" in redis["command"] and "yes" in redis["command"]
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+    assert "redis-data" in compose["volumes"]
+
+    compute = svcs["compute"]
+    [gpu] = compute["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    model_dir = _env(compute)["KVPOP_MODEL_DIR"]
+    [mount] = [v for v in compute["volumes"] if v.split(":")[-2] == model_dir]
+    assert mount.endswith(":ro")
+    # The default mount is the embedded model, which must exist.
+    host_dir = (COMPOSE_DIR / _default(mount.rsplit(":", 2)[0])).resolve()
+    assert (host_dir / "config.json").is_file()
+
+    for name in OURS:
+        build = svcs[name]["build"]
+        dockerfile = (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve()
+        assert dockerfile == COMPOSE_DIR / "Dockerfile"
+    dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert "download.pytorch.org/whl/cu" in dockerfile and '".[gpu]"' in dockerfile
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}", dockerfile, re.M)
+    assert "nvidia/cuda:" in dockerfile
+
+    otel = svcs["otel-collector"]
+    cfg_mount = next(v for v in otel["volumes"] if "otel-collector.yaml" in v)
+    otel_cfg = yaml.safe_load((COMPOSE_DIR / cfg_mount.split(":")[0]).read_text())
+    assert "otlp" in otel_cfg["receivers"]
+    assert otel_cfg["exporters"]["otlp/jaeger"]["endpoint"].startswith("jaeger:")
+    assert "otlp/jaeger" in otel_cfg["service"]["pipelines"]["traces"]["exporters"]
+    for name in OURS:
+        assert _env(svcs[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def test_health_checks_timing_and_targets(compose):
+    svcs = compose["services"]
+    for name in ("redis", *OURS):
+        hc = svcs[name]["healthcheck"]
+        assert (hc["interval"], hc["timeout"], hc["retries"]) == ("30s", "5s", 3), name
+        assert hc["test"][0] == "CMD"
+    for name in OURS:
+        env = _env(svcs[name])
+        grpc_port = next(v for k, v in env.items() if re.fullmatch(r"KVPOP_[A-Z_]+_PORT", k)
+                         and k != "KVPOP_METRICS_PORT")
+        test = svcs[name]["healthcheck"]["test"][1:]
+        assert test[:3] == ["python", "-m", "kvpop.healthcheck"], name
+        assert test[test.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}", name
+        assert test[test.index("--http") + 1] == \
+            f"http://127.0.0.1:{env['KVPOP_METRICS_PORT']}/healthz", name
+
+
+def test_commands_are_our_entry_points_and_start(compose, scripts):
+    eps = {ep.name: ep for ep in entry_points(group="console_scripts")}
+    for name in OURS:
+        [cmd] = compose["services"][name]["command"]
+        assert cmd == f"kvpop-{name}" and cmd in scripts
+        target = scripts[cmd]
+        assert target == f"services.{name.replace('-', '_')}.__main__:main"
+        # Installed (pip install -e) and resolving to a callable.
+        assert eps[cmd].value == target
+        assert callable(eps[cmd].load())
+        r = subprocess.run([str(BIN / cmd), "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "--port" in r.stdout
+
+
+def _settings(name: str) -> set[str]:
+    """Variables a service reads: its config class, the security ones."""
+    from kvpop import config, security
+    cls = {"gateway": config.GatewayConfig, "compute": config.ComputeConfig,
+           "cache-manager": config.CacheManagerConfig}[name]
+    return {getattr(security, n) for n in dir(security) if n.startswith("ENV_")} | \
+        {f.metadata["env"] for f in dataclasses.fields(cls)}
+
+
+def test_every_setting_is_read_by_its_service_and_documented(compose):
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    for name in OURS:
+        known = _settings(name)
+        for var in _env(compose["services"][name]):
+            if var.startswith("OTEL_"):
+                continue
+            assert var in known, f"{name}: {var} is not a setting of kvpop-{name}"
+        for var in known:
+            assert f"`{var}`" in doc, f"{var} missing from docs/configuration.md"
+
+
+# ---- health check commands against locally started services ----------------
+
+class LocalStack:
+    """The compose services as local processes: compose's own commands and
+    environment, with service names and container ports mapped to loopback."""
+
+    def __init__(self, compose: dict, redis_port: int, tmp: Path):
+        self.compose = compose
+        self.tmp = tmp
+        self.ports = {"6379": str(redis_port)}
+        for name in OURS:
+            for k, v in _env(compose["services"][name]).items():
+                if re.fullmatch(r"KVPOP_[A-Z_]+_PORT", k):
+                    self.ports.setdefault(v, str(free_port()))
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def localise(self, s: str) -> str:
+        def sub(m):
+            port = self.ports.get(m.group(2))
+            return f"127.0.0.1:{port}" if port else m.group(0)
+        return re.sub(r"\b(127\.0\.0\.1|[a-z][a-z0-9-]*):(\d+)\b", sub, s)
+
+    def env_for(self, name: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
+        for k, v in _env(self.compose["services"][name]).items():
+            v = _default(v)
+            env[k] = self.ports[v] if re.fullmatch(r"KVPOP_[A-Z_]+_PORT", k) else self.localise(v)
+        env.update(KVPOP_HOST="127.0.0.1", OTEL_TRACES_EXPORTER="none", KVPOP_LOG_LEVEL="WARNING")
+        if name == "compute":
+            # What the default volume mounts; no GPU here.
+            env.update(KVPOP_MODEL_DIR=str(REPO / "models" / "default"), KVPOP_DEVICE="cpu",
+                       KVPOP_MAX_NUM_SEQS="4", KVPOP_MAX_MODEL_LEN="512")
+        return {k: v for k, v in env.items() if v != "" or not k.startswith("KVPOP_")}
+
+    def start(self, name: str) -> None:
+        [cmd] = self.compose["services"][name]["command"]
+        log = open(self.tmp / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen([str(BIN / cmd)], env=self.env_for(name), cwd=self.tmp,
+                                            stdout=log, stderr=subprocess.STDOUT)
+
+    def health_cmd(self, name: str) -> list[str]:
+        test = self.compose["services"][name]["healthcheck"]["test"][1:]
+        exe = {"python": sys.executable, "redis-cli": shutil.which("redis-cli")}
+        return [exe.get(test[0], test[0])] + [self.localise(a) for a in test[1:]]
+
+    def check(self, name: str) -> subprocess.CompletedProcess:
+        timeout = float(self.compose["services"][name]["healthcheck"]["timeout"].rstrip("s"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOP_")}
+        # compose kills a probe at its timeout; allow process start-up on top.
+        return subprocess.run(self.health_cmd(name), capture_output=True, text=True,
+                              timeout=timeout + 20, env=env)
+
+    def wait_healthy(self, name: str, deadline_s: float) -> subprocess.CompletedProcess:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            r = self.check(name)
+            if r.returncode == 0:
+                return r
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"{name} exited {proc.returncode}:\n" + self.log(name))
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} not healthy in {deadline_s}s: {r.stdout}{r.stderr}\n"
+                                     + self.log(name))
+            time.sleep(0.5)
+
+    def log(self, name: str) -> str:
+        p = self.tmp / f"{name}.log"
+        return p.read_text()[-3000:] if p.exists() else ""
+
+    def stop(self, name: str) -> None:
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        for name in reversed(list(self.procs)):
+            self.stop(name)
+
+
+@pytest.mark.slow
+def test_health_check_commands_against_local_services(compose, redis_server, tmp_path):
+    stack = LocalStack(compose, redis_server.port, tmp_path)
+    try:
+        assert stack.check("redis").returncode == 0
+        # Before anything listens, every probe fails (and fails within its timeout).
+        for name in OURS:
+            t0 = time.monotonic()
+            r = stack.check(name)
+            assert r.returncode == 1 and "UNAVAILABLE" in r.stdout, (name, r.stdout, r.stderr)
+            assert time.monotonic() - t0 < 25
+        for name in OURS:   # compose's dependency order
+            stack.start(name)
+        for name in OURS:
+            r = stack.wait_healthy(name, deadline_s=120)
+            assert "SERVING" in r.stdout and "200" in r.stdout, r.stdout
+        # A stopped service turns its probe red.
+        stack.stop("cache-manager")
+        assert stack.check("cache-manager").returncode == 1
+    finally:
+        stack.close()
