@@ -88,9 +88,18 @@ class ComputeConfig(ServerConfig):
     cache_manager_address: str = setting("KVPOP_CACHE_MANAGER_ADDRESS", "",
                                          "host:port of the cache-manager ('' = none: local fallback only)")
     replica_id: str = setting("KVPOP_REPLICA_ID", "", "name of this compute replica ('' = host:port)")
+    redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for the replica registry and prewarm entries "
+                             "('' = neither)")
+    advertise_address: str = setting("KVPOP_ADVERTISE_ADDRESS", "",
+                                     "host:port the gateway dials to reach this replica ('' = host:port)")
+    heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "registry entry lifetime; 3 heartbeats per interval")
+    prewarm_top_k: int = setting("KVPOP_PREWARM_TOP_K", 8,
+                                 "most-counted prompt prefixes prefilled before SERVING (0 = none)")
 
     def validate(self) -> None:
         super().validate()
+        if self.heartbeat_s <= 0 or self.prewarm_top_k < 0:
+            raise ConfigError("KVPOP_HEARTBEAT_S must be > 0 and KVPOP_PREWARM_TOP_K >= 0")
         if self.block_size < 1:
             raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
         if self.max_num_seqs < 1:
@@ -102,8 +111,11 @@ class GatewayConfig(ServerConfig):
     port: int = setting("KVPOP_GATEWAY_PORT", 50051, "public gateway port (0 = any free port)")
     metrics_port: int = setting("KVPOP_METRICS_PORT", 9091, "HTTP port of /metrics and /healthz "
                                 "(0 = any free port, -1 = off)")
-    compute_address: str = setting("KVPOP_COMPUTE_ADDRESS", "127.0.0.1:50052", "host:port of compute")
-    redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for sessions ('' = sessions not stored)")
+    compute_address: str = setting("KVPOP_COMPUTE_ADDRESS", "127.0.0.1:50052",
+                                   "host:port of compute while no replica is registered in Redis")
+    redis_url: str = setting("KVPOP_REDIS_URL", "", "Redis for sessions, replica registry and prewarm "
+                             "counts ('' = none of them)")
+    heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "replica heartbeat interval (as compute's)")
     default_policy: str = setting("KVPOP_DEFAULT_POLICY", "learned", "policy when a request names none")
     default_budget: str = setting("KVPOP_DEFAULT_BUDGET", "0.25",
                                   "kv budget when a request sets none: tokens ('512'), a fraction "
@@ -129,6 +141,8 @@ class GatewayConfig(ServerConfig):
                 raise ConfigError("KVPOP_DEFAULT_BUDGET: a fraction in (0, 1] or tokens >= 1")
         if self.max_prompt_chars < 1 or self.session_ttl_s < 1:
             raise ConfigError("KVPOP_MAX_PROMPT_CHARS and KVPOP_SESSION_TTL_S must be >= 1")
+        if self.heartbeat_s <= 0:
+            raise ConfigError("KVPOP_HEARTBEAT_S must be > 0")
 
 
     def budget(self) -> int | float | None:
