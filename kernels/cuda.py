@@ -49,10 +49,11 @@ def source(kind: str, **defines) -> str:
 
 
 @functools.cache
-def _module(kind: str, defines: tuple, device: int):
+def _function(kind: str, defines: tuple, name: str, device: int):
     import cupy
     with cupy.cuda.Device(device):
-        return cupy.RawModule(code=source(kind, **dict(defines)), options=("--std=c++14",))
+        module = cupy.RawModule(code=source(kind, **dict(defines)), options=("--std=c++14",))
+        return module.get_function(name)
 
 
 @functools.cache
@@ -77,7 +78,7 @@ def _launch(kind: str, defines: dict, name: str, device: torch.device, grid, blo
             shared_mem: int = 0) -> None:
     import cupy
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _module(kind, tuple(sorted(defines.items())), dev).get_function(name)
+    fn = _function(kind, tuple(sorted(defines.items())), name, dev)
     with cupy.cuda.Device(dev), _stream(dev):
         fn(grid, block, args, shared_mem=shared_mem)
 
@@ -96,22 +97,33 @@ def _dtype_code(*tensors: torch.Tensor) -> int:
 
 def attention_config(D: int, BS: int, G: int, dtype: torch.dtype, ptrs=()) -> dict:
     """Compile-time configuration of the attention module for these shapes."""
+    align = 16
+    for p in ptrs:
+        while p % align:
+            align //= 2
+    return dict(_attention_config(D, BS, G, dtype, max(align, 1)))
+
+
+@functools.cache
+def _attention_config(D: int, BS: int, G: int, dtype: torch.dtype, align: int) -> tuple:
     if not 1 <= G <= 32:
         raise ValueError(f"GQA group size {G} not in [1, 32]")
-    es = torch.empty((), dtype=dtype).element_size()
+    es = dtype.itemsize
     dpl = -(-D // 32)
     gp = 1 << (G - 1).bit_length()
     vec = 0
     if D % 32 == 0:
         for v in (16, 8, 4):
-            if (dpl * es) % v == 0 and (D * es) % v == 0 and all(p % v == 0 for p in ptrs):
+            if (dpl * es) % v == 0 and (D * es) % v == 0 and align % v == 0:
                 vec = v
                 break
     nw = _NW
     while nw > 1 and (2 * nw * gp + nw * G * D) * 4 > _SMEM_LIMIT:
         nw //= 2
-    return dict(DT=_DT[dtype], D=D, BS=BS, G=G, GP=gp, LOG2GP=gp.bit_length() - 1,
-                NW=nw, PT=min(BS, 8), DPL=dpl, VEC=vec)
+    # A tile's K and V rows live in registers: PT * DPL <= 32 floats each.
+    pt = min(BS, max(1, 32 // dpl))
+    return tuple(dict(DT=_DT[dtype], D=D, BS=BS, G=G, GP=gp, LOG2GP=gp.bit_length() - 1,
+                      NW=nw, PT=pt, DPL=dpl, VEC=vec).items())
 
 
 def splits(B: int, Hkv: int, NB: int, nw: int, sm_count: int) -> tuple[int, int]:
@@ -145,10 +157,11 @@ def paged_attention(q, k_pages, v_pages, page_table, num_blocks, last_block_len,
     cfg = attention_config(D, BS, Hq // Hkv, q.dtype, (q.data_ptr(), k_pages.data_ptr(),
                                                       v_pages.data_ptr()))
     S, chunk = splits(B, Hkv, NB, cfg["NW"], _sm_count(dev.index or 0))
-    part_m = torch.empty(B, Hq, S, dtype=torch.float32, device=dev)
-    part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(B, Hq, S, D, dtype=torch.float32, device=dev)
-    blk_max = torch.empty(B, Hq, NB, dtype=torch.float32, device=dev)
+    # One scratch allocation for the split partials and the per-block maxima.
+    n1, n2 = B * Hq * S, B * Hq * S * D
+    work = torch.empty(2 * n1 + n2 + B * Hq * NB, dtype=torch.float32, device=dev)
+    part_m, part_l = work[:n1], work[n1:2 * n1]
+    part_acc, blk_max = work[2 * n1:2 * n1 + n2], work[2 * n1 + n2:]
     nw, gp, G = cfg["NW"], cfg["GP"], cfg["G"]
     smem = (2 * nw * gp + nw * G * D) * 4
     _launch("paged_attention", cfg, "paged_attn_partial", dev, (S, Hkv, B), (nw * 32,),

@@ -2,7 +2,8 @@
 //
 // Config (#defines from kernels/cuda.py): D head dim, BS block size, G query
 // heads per kv-head, GP = G rounded up to a power of two (LOG2GP = log2 GP),
-// NW warps per thread block, PT positions per tile, DPL = ceil(D / 32)
+// NW warps per thread block, PT positions per tile (PT * DPL <= 32 bounds the
+// registers of the tile's K and V rows), DPL = ceil(D / 32)
 // head-dim elements per lane, VEC = bytes per vector load (16/8/4) or 0 for
 // guarded scalar loads.
 //
@@ -127,24 +128,31 @@ paged_attn_partial(const T* __restrict__ q, const T* __restrict__ k_pages,
     const T* vb = v_pages + page * BS * D + e0;
     float bsum = 0.f;  // this block's sum of exp2(logit - m_own), kept relative to m_own
     for (int t0 = 0; t0 < len; t0 += PT) {
+      // Issue every K and V load of the tile before any math, so a warp
+      // keeps 2 * PT row loads in flight instead of waiting on each.
+      float kf[PT][DPL], vf[PT][DPL];
+#pragma unroll
+      for (int p = 0; p < PT; ++p) {
+        if (t0 + p < len && ne > 0) {  // t0, len: warp-uniform; ne: lanes past D load nothing
+          load_row(kb + (size_t)(t0 + p) * D, kf[p], ne);
+          load_row(vb + (size_t)(t0 + p) * D, vf[p], ne);
+        } else {
+#pragma unroll
+          for (int e = 0; e < DPL; ++e) kf[p][e] = vf[p][e] = 0.f;
+        }
+      }
       float s_own[PT];
       float tmax = NEG_INF;
 #pragma unroll
       for (int p = 0; p < PT; ++p) {
         s_own[p] = NEG_INF;
-        if (t0 + p < len) {  // warp-uniform: len and t0 are the same in every lane
-          float kf[DPL];
-          if (ne > 0) load_row(kb + (size_t)(t0 + p) * D, kf, ne);
-          else {
-#pragma unroll
-            for (int e = 0; e < DPL; ++e) kf[e] = 0.f;
-          }
+        if (t0 + p < len) {
           float dot[GP];
 #pragma unroll
           for (int g = 0; g < GP; ++g) {
             float x = 0.f;
 #pragma unroll
-            for (int e = 0; e < DPL; ++e) x += qf[g][e] * kf[e];
+            for (int e = 0; e < DPL; ++e) x += qf[g][e] * kf[p][e];
             dot[g] = x;
           }
           s_own[p] = group_reduce(dot, lane);
@@ -176,17 +184,11 @@ paged_attn_partial(const T* __restrict__ q, const T* __restrict__ k_pages,
 #pragma unroll
       for (int p = 0; p < PT; ++p) {
         if (t0 + p < len) {
-          float vf[DPL];
-          if (ne > 0) load_row(vb + (size_t)(t0 + p) * D, vf, ne);
-          else {
-#pragma unroll
-            for (int e = 0; e < DPL; ++e) vf[e] = 0.f;
-          }
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             const float wg = __shfl_sync(FULL_MASK, w_own[p], g << (5 - LOG2GP));
 #pragma unroll
-            for (int e = 0; e < DPL; ++e) acc[g][e] += wg * vf[e];
+            for (int e = 0; e < DPL; ++e) acc[g][e] += wg * vf[p][e];
           }
         }
       }
