@@ -165,8 +165,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                             policy=u.policy, fallback_evictions=u.fallback_evictions))
                 yield resp
         except ValueError as e:
-            timer.fail("INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            code = grpc.StatusCode.ALREADY_EXISTS if "already running" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
+            timer.fail(code.name)
+            await context.abort(code, str(e))
         except EngineError as e:
             timer.fail("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
@@ -177,9 +178,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
 
 class ComputeApp:
-    def __init__(self, servicer: ComputeServicer):
+    def __init__(self, servicer: ComputeServicer, service: GrpcService | None = None):
         self.servicer = servicer
+        self.service = service
         self.refresher: EngineStatsRefresher | None = None
+        self.reporter = None        # ReplicaReporter when KVPOP_REDIS_URL is set
 
     async def ready(self) -> None:
         await asyncio.to_thread(self.servicer.load, asyncio.get_running_loop())
@@ -187,8 +190,32 @@ class ComputeApp:
             self.servicer.advisor.start()
         # Token counts, pool pages and evictions come from the engine's own stats.
         self.refresher = EngineStatsRefresher(self.servicer.engine.stats).start()
+        if self.servicer.cfg.redis_url:
+            await self._join_replicas()
+
+    async def _join_replicas(self) -> None:
+        """Prefill the prewarm entries, then register in the replica registry."""
+        from services.compute.replica import ReplicaReporter
+
+        cfg, s = self.servicer.cfg, self.servicer
+        port = self.service.port if self.service is not None else cfg.port
+        address = cfg.advertise_address or f"{cfg.host}:{port}"
+        # The id the gateway stores in sessions for affinity: the same in Info and the registry.
+        s.replica_id = cfg.replica_id or address
+        self.reporter = ReplicaReporter(cfg.redis_url, s.replica_id, address, cfg.max_num_seqs,
+                                        s.model_info.name, lambda: self.refresher.last, cfg.heartbeat_s)
+        entries = await self.reporter.prewarm_entries(cfg.prewarm_top_k)
+        prewarm = getattr(s.engine.engine, "prewarm", None)
+        if entries and prewarm is not None:
+            n = await asyncio.to_thread(prewarm, [e.text for e in entries])
+            log.info("prewarmed %s of %d prefixes", n, len(entries))
+        elif entries:
+            log.info("%d prewarm entries found; this engine has no prefix cache to load them", len(entries))
+        await self.reporter.start()
 
     async def close(self) -> None:
+        if self.reporter is not None:
+            await self.reporter.stop()
         if self.refresher is not None:
             await self.refresher.stop()
         s = self.servicer
@@ -202,4 +229,4 @@ async def build(cfg: ComputeConfig, service: GrpcService) -> ComputeApp:
     servicer = ComputeServicer(cfg)
     compute_pb2_grpc.add_ComputeServicer_to_server(servicer, service.server)
     service.add(compute_pb2.DESCRIPTOR.services_by_name["Compute"].full_name)
-    return ComputeApp(servicer)
+    return ComputeApp(servicer, service)
