@@ -59,29 +59,27 @@ class ModelRunner:
         bs, dev = self.bs, self.device
         ids, pos, write_pages, last_rows, sampled = [], [], [], [], []
         decode, prefill = [], []
-        row = 0
         for seq, t in batch:
             self._grow(seq, t)
             n0, n1 = seq.num_cached, seq.num_cached + t
-            p = torch.arange(n0, n1, device=dev)
-            ids.append(torch.tensor(seq.tokens[n0:n1], dtype=torch.long))
-            pos.append(p)
+            row = len(ids)
+            ids.extend(seq.tokens[n0:n1])
+            pos.extend(range(n0, n1))
             # New tokens live in the trailing columns, identical in every row.
-            cols = seq.num_blocks - 1 - ((n1 - 1) // bs - p // bs)
-            write_pages.append(seq.page_table[:, :, cols].permute(0, 2, 1))   # [L, t, Hkv]
             if t == 1:
                 decode.append((seq, row))
+                write_pages.append(seq.page_table[:, :, -1:])
             else:
-                slot = (seq.block_index.to(dev).long()[..., None] * bs
-                        + torch.arange(bs, device=dev)).flatten(2)
-                prefill.append(_Prefill(seq, row, t, slot, p, [], [], []))
-            row += t
+                first = seq.num_blocks - 1 - ((n1 - 1) // bs - n0 // bs)
+                write_pages.append(seq.page_table[:, :, [first + p // bs - n0 // bs for p in range(n0, n1)]])
+                slot = (seq.block_index.long()[..., None] * bs + torch.arange(bs, device=dev)).flatten(2)
+                prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], []))
             if n1 == seq.num_tokens:
-                last_rows.append(row - 1)
+                last_rows.append(len(ids) - 1)
                 sampled.append(seq)
-        input_ids = torch.cat(ids).to(dev)
-        positions = torch.cat(pos)
-        write_pages = torch.cat(write_pages, 1)                                # [L, T, Hkv]
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        write_pages = torch.cat(write_pages, 2).permute(0, 2, 1)               # [L, T, Hkv]
         offsets = (positions % bs).repeat_interleave(self.Hkv)
 
         dec = self._decode_meta(decode)
@@ -103,8 +101,7 @@ class ModelRunner:
             return out
 
         hidden = self.model(input_ids, positions, attention)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)]) \
-            if last_rows else torch.empty(0, device=dev)
+        logits = self.model.compute_logits(hidden[last_rows]) if last_rows else None
 
         for seq, t in batch:
             seq.num_cached += t

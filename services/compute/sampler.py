@@ -74,19 +74,27 @@ def sample(logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float | No
 
     The logprob is the chosen token's under the model's raw distribution
     (before penalty, temperature and truncation), or None if not asked for."""
-    tokens, logprobs = [], []
-    raw = torch.log_softmax(logits.float(), -1) if any(s.sampling.logprobs for s in seqs) else None
+    logits = logits.float()
+    greedy = [s.sampling.temperature == 0.0 and s.sampling.repetition_penalty == 1.0 for s in seqs]
+    # One argmax and one device->host copy for all plain greedy rows.
+    tokens = logits.argmax(-1).tolist() if any(greedy) else [0] * len(seqs)
     for i, seq in enumerate(seqs):
+        if greedy[i]:
+            continue
         p: SamplingParams = seq.sampling
-        row = logits[i].float()
+        row = logits[i]
         if p.repetition_penalty != 1.0:
             row = _penalise(row, seq.tokens, p.repetition_penalty)
         if p.temperature == 0.0:
-            tok = int(torch.argmax(row))
+            tokens[i] = int(torch.argmax(row))
         else:
-            row = _filter(row / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, -1)
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
-        tokens.append(tok)
-        logprobs.append(float(raw[i, tok]) if p.logprobs else None)
+            probs = torch.softmax(_filter(row / p.temperature, p.top_k, p.top_p), -1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=seq.generator))
+    logprobs: list[float | None] = [None] * len(seqs)
+    want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+    if want:
+        raw = torch.log_softmax(logits[want], -1)
+        chosen = raw.gather(1, torch.tensor([tokens[i] for i in want], device=raw.device)[:, None])
+        for i, v in zip(want, chosen[:, 0].tolist()):
+            logprobs[i] = v
     return tokens, logprobs
