@@ -255,6 +255,21 @@ def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, 
     return proc
 
 
+def _model_line(gateway: str) -> str:
+    import grpc
+
+    from kvpop.pb import generate_pb2, generate_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(gateway) as ch:
+            m = generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+    except grpc.RpcError as e:
+        return f"unknown ({e.code().name})"
+    label = " — PLACEHOLDER: seeded random weights, output is noise" if m.placeholder else ""
+    return (f"{m.name} ({m.architecture}, {m.num_layers} layers, {m.dtype} on {m.device}, "
+            f"default policy {m.default_policy}){label}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model folder (Hugging Face layout); default: the embedded model")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
@@ -286,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvpop up: interrupted; stopped what had started", file=sys.stderr)
         return 130
-    print(f"logs and state in {state_dir}", file=sys.stderr)
+    print(f"model: {_model_line(stack.gateway)}", file=sys.stderr)
+    print(f"logs and state in {state_dir}; metrics at {', '.join(stack.metrics.values())}", file=sys.stderr)
     print(stack.gateway)
     return 0

@@ -91,6 +91,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             code = e.code()
             timer.fail(code.name)
             if code in _UNAVAILABLE:
+                self.info = None    # compute may come back with another model: ask again
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"compute at {self.cfg.compute_address} is unavailable: {e.details()}")
             await context.abort(code, e.details() or code.name)

@@ -1,15 +1,20 @@
-"""`kvpop up`, `kvpop generate`, `kvpop down` end to end, as a user runs them."""
+"""`kvpop up`, `kvpop generate`, `kvpop down` end to end, as a user runs them,
+serving a checkpoint given by --model (a tiny random Qwen2 in HF layout)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import grpc
 import pytest
 
+from helpers_models import save_hf_model
 from kvpop.launcher import Proc
-from kvpop.paths import REPO_ROOT
+from kvpop.paths import DEFAULT_MODEL_DIR, REPO_ROOT
+from kvpop.pb import generate_pb2, generate_pb2_grpc
 
 
 def kvpop(*args, state_dir, timeout=180):
@@ -20,8 +25,11 @@ def kvpop(*args, state_dir, timeout=180):
 
 @pytest.mark.slow
 def test_up_generate_down(tmp_path):
+    model = tmp_path / "qwen2"
+    save_hf_model(model, "qwen2", seed=1, vocab_size=259, max_position_embeddings=1024)
+    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", model / "tokenizer.json")   # byte-level, 259 ids
     state = tmp_path / "state"
-    up = kvpop("up", "--block-size", "8", "--timeout", "150", state_dir=state)
+    up = kvpop("up", "--model", str(model), "--block-size", "8", "--timeout", "150", state_dir=state)
     assert up.returncode == 0, up.stderr
     streaming = None
     try:
@@ -29,6 +37,9 @@ def test_up_generate_down(tmp_path):
         assert up.stdout.strip() == stack["gateway"]
         assert {p["name"] for p in stack["processes"]} == {"redis", "cache-manager", "compute", "gateway"}
         assert "gateway        SERVING" in up.stderr
+        with grpc.insecure_channel(stack["gateway"]) as ch:
+            info = generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+        assert info.architecture == "qwen2" and info.max_model_len == 1024 and not info.placeholder
 
         # A second `up` on the same state refuses instead of starting twins.
         again = kvpop("up", state_dir=state, timeout=30)
