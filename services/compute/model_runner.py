@@ -6,8 +6,9 @@ then attends over resident pages only:
 - one-token rows (decode) go through ``paged_attention`` in one batched call,
   and its ``block_mass`` feeds the per-block statistics of the policies;
 - prefill chunks attend over their resident pages + themselves with a causal
-  mask from absolute slot positions (``block_index * bs + offset``); the
-  probabilities are at most chunk x resident, never the whole prompt.
+  mask from absolute slot positions (``block_index * bs + offset``); for
+  evicting sequences the probabilities (chunk x resident, never the whole
+  prompt) also give the block mass; dense ones use the fused SDPA kernel.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import ops
 from services.compute.kv_pool import KVPool
@@ -135,12 +137,20 @@ class ModelRunner:
         seq, t, G, d = pf.seq, pf.length, self.G, self.d
         pages = seq.page_table[layer].long()                                   # [Hkv, NB]
         NB = pages.shape[1]
-        k = self.pool.k_pages[pages].reshape(self.Hkv, NB * self.bs, d).float()
-        v = self.pool.v_pages[pages].reshape(self.Hkv, NB * self.bs, d).float()
-        qh = q[pf.start:pf.start + t].float().view(t, self.Hkv, G, d).permute(1, 2, 0, 3)
-        logits = torch.einsum("hgtd,hsd->hgts", qh, k) * self.scale            # [Hkv, G, t, S]
+        k = self.pool.k_pages[pages].reshape(self.Hkv, NB * self.bs, d)
+        v = self.pool.v_pages[pages].reshape(self.Hkv, NB * self.bs, d)
         # Slots past the last written token have positions > every query: masked too.
         causal = pf.slot_pos[layer][:, None, None, :] <= pf.q_pos[None, None, :, None]
+        if seq.eviction.budget_blocks is None:
+            # Dense: every row holds the same blocks and no statistics are
+            # needed, so the fused kernel does it without materialising probs.
+            out = F.scaled_dot_product_attention(
+                q[pf.start:pf.start + t].transpose(0, 1), k, v, attn_mask=causal[0, 0],
+                scale=self.scale, enable_gqa=G > 1)
+            return out.transpose(0, 1)
+        k, v = k.float(), v.float()
+        qh = q[pf.start:pf.start + t].float().view(t, self.Hkv, G, d).permute(1, 2, 0, 3)
+        logits = torch.einsum("hgtd,hsd->hgts", qh, k) * self.scale            # [Hkv, G, t, S]
         probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
         out = torch.einsum("hgts,hsd->hgtd", probs, v)
         mass = probs.view(self.Hkv, G, t, NB, self.bs).sum(-1).mean(1)         # [Hkv, t, NB]

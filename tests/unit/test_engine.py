@@ -32,6 +32,18 @@ def test_greedy_dense_equals_recomputation(model, block_size, prefill_chunk):
     assert engine.pool.num_free == engine.pool.capacity
 
 
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "learned"])
+def test_eviction_machinery_with_room_to_spare_changes_nothing(model, policy):
+    """A budget larger than the sequence: the statistics path (attention with
+    block mass, rounds, features) runs but evicts nothing, and decoding is
+    still exactly the no-cache greedy continuation."""
+    engine = tiny_engine(model, block_size=4, prefill_chunk=8, advisor=InProcessAdvisor())
+    prompt = random_prompt(30, seed=11)
+    outs = list(engine.generate(prompt, GREEDY, EvictionParams(policy, budget=64, sink=4, recent=8)))
+    assert [o.token_id for o in outs] == dense_greedy(model, prompt, GREEDY.max_tokens)
+    assert outs[-1].usage.kv_blocks_evicted == 0
+
+
 def test_batch_of_16_equals_alone(model):
     """Different prompt lengths, joining at different steps, greedy and seeded
     sampling: every request gets exactly the tokens it gets alone."""
