@@ -164,3 +164,31 @@ def test_every_service_has_health_and_reflection(stack):
             listed = {s.name for r in replies for s in r.list_services_response.service}
             assert {service, "grpc.health.v1.Health"} <= listed, (name, listed)
         assert stack.proc(name).address.startswith("127.0.0.1:"), "services bind loopback by default"
+
+
+def test_cache_manager_skips_malformed_features_and_keeps_planning(stack):
+    import numpy as np
+
+    from kvpop.arrays import from_int_array, to_float_array
+    from kvpop.pb import cache_manager_pb2 as cpb
+    from kvpop.pb import cache_manager_pb2_grpc as cpb_grpc
+
+    def block(b, att, size=None):
+        km = to_float_array(np.zeros((2, 2, 4)))
+        if size is not None:
+            km.data = km.data[:size]
+        return cpb.BlockFeatures(block=b, position=8 * b, age=10, key_mean=km,
+                                 value_norm=to_float_array(np.ones((2, 2))), attention=to_float_array(att))
+
+    msgs = [
+        cpb.AdvisorMessage(features=cpb.FeaturesBatch(request_id="bad", blocks=[block(1, np.ones((2, 2)), size=3)])),
+        cpb.AdvisorMessage(),    # no kind at all
+        cpb.AdvisorMessage(features=cpb.FeaturesBatch(request_id="ok", blocks=[
+            block(1, np.full((2, 2), 0.9)), block(2, np.full((2, 2), 0.1)), block(3, np.full((2, 2), 0.5))])),
+        cpb.AdvisorMessage(finished=cpb.SequenceFinished(request_id="ok")),
+    ]
+    with grpc.insecure_channel(stack.proc("cache-manager").address) as ch:
+        replies = list(cpb_grpc.CacheManagerStub(ch).Advise(iter(msgs), timeout=10))
+    assert [r.plan.request_id for r in replies] == ["ok"]
+    evict = from_int_array(replies[0].plan.evict)
+    assert evict.shape == (2, 2, 3) and (evict[..., 0] == 2).all() and (evict[..., 2] == 1).all()
