@@ -56,8 +56,8 @@ def test_unsupported_architecture(hf_dir, tmp_path):
 
 
 def test_unsupported_rope_and_activation():
-    base = json.loads(json.dumps(dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
-                                      num_hidden_layers=1, num_attention_heads=2)))
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=8,
+                num_hidden_layers=1, num_attention_heads=2)
     with pytest.raises(ValueError, match="unsupported rope_scaling type 'yarn'"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
