@@ -1,0 +1,1 @@
+"""Eviction-quality evaluation: every policy at every compression on the same prompts."""

@@ -1,0 +1,93 @@
+"""`kvpop eval`: every policy at every compression on the same test prompts,
+through the in-process serving engine. Writes results.json, results.md and
+accuracy.png under --out."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
+DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="models/default", help="model folder (HF layout)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES)
+    p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
+    p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
+    p.add_argument("--n", type=int, default=24, help="test instances per family")
+    p.add_argument("--seed", type=int, default=0, help="test-set seed (inside the test seed range)")
+    p.add_argument("--min-len", type=int, default=None, help="shortest prompt (default: the standard test set's)")
+    p.add_argument("--max-len", type=int, default=None, help="longest prompt")
+    p.add_argument("--block-size", type=int, default=1, help="eviction granularity in tokens")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--recent", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
+    p.add_argument("--out", required=True, help="output folder")
+
+
+def _learned_available(model_dir: Path) -> bool:
+    return any((model_dir / name).exists() for name in ("estimator", "estimator.pt", "estimator.safetensors"))
+
+
+def run(args) -> int:
+    import torch
+
+    from kvpop.evaluation import report
+    from kvpop.evaluation.harness import Harness, Setting
+    from kvpop.tasks import FAMILIES
+    from kvpop.tasks import suite
+    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.policies import POLICY_NAMES
+
+    torch.set_num_threads(args.threads)
+    model_dir = Path(args.model)
+    families = list(FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(FAMILIES)}")
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICY_NAMES and p != "oracle"]
+    if unknown:
+        print(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES + ('oracle',))}")
+        return 2
+    try:
+        comps = [float(c) for c in args.compression.split(",") if c.strip()]
+    except ValueError:
+        print(f"--compression takes comma-separated fractions, got {args.compression!r}")
+        return 2
+    if any(not 0.0 < c < 1.0 for c in comps):
+        print("compressions must be in (0, 1)")
+        return 2
+    if "learned" in policies and not _learned_available(model_dir):
+        print(f"note: no estimator checkpoint next to {model_dir}; skipping the 'learned' policy")
+        policies.remove("learned")
+    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
+    if args.quick:
+        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
+    instances = suite.test_set(n, families, args.seed, lo, hi)
+
+    engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                    max_model_len=4096, prefill_chunk=512))
+    harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
+    t0 = time.time()
+    dense = harness.run([Setting("dense", 0.0)], instances, desc="dense")
+    reference = {(o.instance.family, o.instance.seed): o.logprobs for o in dense}
+    for o in dense:
+        o.kl = [0.0] * len(o.logprobs)
+        o.logprobs = []
+    settings = [Setting(p, c) for p in policies if p != "dense" for c in comps]
+    rest = harness.run(settings, instances, desc="policies", reference=reference)
+    rows = report.records(dense + rest, families)
+    meta = {"model": str(model_dir), "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
+            "block_size": args.block_size, "sink": args.sink, "recent": args.recent,
+            "seconds": round(time.time() - t0, 1)}
+    out = Path(args.out)
+    report.write(rows, families, out, meta)
+    print(report.markdown(rows, families))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
+    return 0

@@ -1,0 +1,118 @@
+"""Runs test instances through the in-process engine under each (policy,
+compression): free greedy generation (accuracy, generated length) and a
+teacher-forced pass over the reference solution (next-token distributions
+for the KL to dense). Requests of every configuration share one engine, so
+they are batched together."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from kvpop.evaluation.forcing import ForcingRunner
+from kvpop.evaluation.oracle import OraclePolicy
+from kvpop.tasks.checker import is_correct
+from kvpop.tasks.instance import Instance
+from kvpop.tasks.vocab import decode_ids
+
+
+@dataclass(frozen=True)
+class Setting:
+    policy: str
+    compression: float          # 0 = dense
+
+
+@dataclass
+class Outcome:
+    setting: Setting
+    instance: Instance
+    correct: bool = False
+    generated: int = 0
+    text: str = ""
+    logprobs: list = field(default_factory=list)   # teacher-forced rows (kept for dense only)
+    kl: list = field(default_factory=list)         # per solution position, KL(dense || this)
+    budget: int | None = None
+
+
+def budget_tokens(inst: Instance, compression: float, minimum: int) -> int:
+    """Compression = 1 - budget / sequence length (prompt + reference solution)."""
+    total = len(inst.prompt_ids) + len(inst.solution_ids)
+    return max(minimum, int(round((1.0 - compression) * total)))
+
+
+class Harness:
+    def __init__(self, engine, sink: int = 4, recent: int = 8, block_size: int = 1, margin: int = 16,
+                 advisor_policy: str = "learned"):
+        self.engine, self.sink, self.recent, self.bs, self.margin = engine, sink, recent, block_size, margin
+        self.forcing = ForcingRunner(engine.runner)
+        engine.runner = self.forcing
+        from services.compute.eviction import min_budget_blocks
+        self.min_budget = min_budget_blocks(-(-sink // block_size), recent, block_size) * block_size
+
+    def _make(self, rid: str, o: Outcome, forced: bool):
+        from services.compute.engine import EvictionParams, SamplingParams
+        inst, s = o.instance, o.setting
+        sol = inst.solution_ids
+        sampling = SamplingParams(max_tokens=len(sol) if forced else len(sol) + self.margin, temperature=0.0)
+        if s.policy == "dense":
+            ev = EvictionParams("dense", sink=self.sink, recent=self.recent, block_size=self.bs)
+        else:
+            o.budget = budget_tokens(inst, s.compression, self.min_budget)
+            # The oracle rides on the streaming protection rules with its own scores.
+            name = "streaming" if s.policy == "oracle" else s.policy
+            ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=self.recent, block_size=self.bs)
+        seq = self.engine.make_sequence(rid, inst.prompt_ids, sampling, ev)
+        if s.policy == "oracle":
+            seq.policy = OraclePolicy(inst.depends, self.bs)
+        if forced:
+            self.forcing.forced[rid] = sol
+        return seq
+
+    def run(self, settings: list[Setting], instances: list[Instance], desc: str = "eval",
+            reference: dict | None = None) -> list[Outcome]:
+        """reference: (family, seed) -> dense teacher-forced rows; when given,
+        each outcome gets its per-position KL and its own rows are dropped."""
+        outcomes = [Outcome(s, inst) for s in settings for inst in instances]
+        jobs = deque((f"{k}:{kind}", o, kind == "tf") for k, o in enumerate(outcomes) for kind in ("gen", "tf"))
+        live: dict[str, tuple[Outcome, bool, list[int]]] = {}
+        eng = self.engine
+        cap = eng.config.max_num_seqs
+        bar = tqdm(total=len(jobs), desc=desc, dynamic_ncols=True, mininterval=2)
+        while jobs or live:
+            while jobs and len(live) < cap:
+                rid, o, forced = jobs.popleft()
+                eng.add_sequence(self._make(rid, o, forced))
+                live[rid] = (o, forced, [])
+            for out in eng.step():
+                o, forced, toks = live[out.request_id]
+                if out.token_id is not None:
+                    toks.append(out.token_id)
+                if not out.finished:
+                    continue
+                del live[out.request_id]
+                bar.update(1)
+                if out.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"request {out.request_id} ended with {out.finish_reason}")
+                if forced:
+                    rows = self.forcing.logprobs.pop(out.request_id, [])
+                    self.forcing.forced.pop(out.request_id, None)
+                    if reference is None:
+                        o.logprobs = rows
+                    else:
+                        o.kl = kl_to_dense(reference[(o.instance.family, o.instance.seed)], rows)
+                else:
+                    o.text = decode_ids(toks)
+                    o.generated = len(toks)
+                    o.correct = is_correct(o.instance, o.text)
+        bar.close()
+        return outcomes
+
+
+def kl_to_dense(dense: list[torch.Tensor], other: list[torch.Tensor]) -> list[float]:
+    """KL(dense || other) per teacher-forced position."""
+    out = []
+    for p, q in zip(dense, other):
+        out.append(float((p.exp() * (p - q)).sum()))
+    return out

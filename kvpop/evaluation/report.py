@@ -1,0 +1,80 @@
+"""results.json records, the markdown table and accuracy.png."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def records(outcomes, families: list[str]) -> list[dict]:
+    groups = defaultdict(list)
+    for o in outcomes:
+        key = (o.setting.policy, o.setting.compression)
+        groups[key + (o.instance.family,)].append(o)
+        groups[key + ("all",)].append(o)
+    dense_acc = {}
+    rows = []
+    for (policy, comp, task), os_ in groups.items():
+        kls = [k for o in os_ for k in o.kl]
+        budgets = [o.budget for o in os_ if o.budget is not None]
+        total = [len(o.instance.prompt_ids) + len(o.instance.solution_ids) for o in os_]
+        rows.append({
+            "policy": policy, "compression": comp, "task": task, "n": len(os_),
+            "accuracy": sum(o.correct for o in os_) / len(os_),
+            "kl": (sum(kls) / len(kls)) if kls else 0.0,
+            "mean_generated_tokens": sum(o.generated for o in os_) / len(os_),
+            "kv_kept": (sum(b / t for b, t in zip(budgets, total)) / len(budgets)) if budgets else 1.0,
+        })
+        if policy == "dense":
+            dense_acc[task] = rows[-1]["accuracy"]
+    for r in rows:
+        d = dense_acc.get(r["task"])
+        r["retention"] = (r["accuracy"] / d) if d else None
+    order = {t: i for i, t in enumerate(["all"] + families)}
+    rows.sort(key=lambda r: (r["compression"], r["policy"] != "dense", r["policy"], order.get(r["task"], 99)))
+    return rows
+
+
+def markdown(rows: list[dict], families: list[str]) -> str:
+    by = {(r["policy"], r["compression"], r["task"]): r for r in rows}
+    settings = sorted({(r["compression"], r["policy"]) for r in rows}, key=lambda s: (s[0], s[1] != "dense", s[1]))
+    head = ["policy", "compression", *families, "all", "retention", "KL", "gen. tokens"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for comp, pol in settings:
+        a = by[(pol, comp, "all")]
+        cells = [pol, f"{comp:.2%}" if comp else "0 (dense)"]
+        cells += [f"{by[(pol, comp, f)]['accuracy']:.2f}" if (pol, comp, f) in by else "-" for f in families]
+        ret = a["retention"]
+        cells += [f"**{a['accuracy']:.3f}**", "-" if ret is None else f"{ret:.3f}", f"{a['kl']:.4f}",
+                  f"{a['mean_generated_tokens']:.1f}"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], families: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    tasks = ["all"] + families
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.4 * len(tasks), 3.6), sharey=True)
+    policies = sorted({r["policy"] for r in rows if r["policy"] != "dense"})
+    for ax, task in zip(axes, tasks):
+        dense = [r for r in rows if r["policy"] == "dense" and r["task"] == task]
+        for pol in policies:
+            pts = sorted((r["compression"], r["accuracy"]) for r in rows if r["policy"] == pol and r["task"] == task)
+            if pts:
+                style = "k--" if pol == "oracle" else "-o"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=pol, ms=3)
+        if dense:
+            ax.axhline(dense[0]["accuracy"], color="grey", lw=3, alpha=0.4, label="dense")
+        ax.set_title(task); ax.set_xlabel("compression"); ax.set_ylim(-0.02, 1.02)
+    axes[0].set_ylabel("exact-match accuracy")
+    axes[-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
+
+
+def write(rows: list[dict], families: list[str], out: Path, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families))
+    plot(rows, families, out / "accuracy.png")

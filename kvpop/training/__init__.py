@@ -1,0 +1,1 @@
+"""Training of the embedded default model on the task mix."""
