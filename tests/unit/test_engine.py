@@ -92,6 +92,25 @@ def test_stop_string_is_not_emitted_and_text_matches_tokens(model):
     assert len(outs) < 30
 
 
+def test_held_back_stop_prefix_is_released(model):
+    """Text that starts a stop string is held back, and released once it can
+    no longer become one (or at the end)."""
+    tok = default_tokenizer()
+    engine = tiny_engine(model, tokenizer=tok)
+    prompt = tok.encode("abc")
+    sp = SamplingParams(max_tokens=25, ignore_eos=True)
+    free = list(engine.generate(prompt, sp))
+    text = "".join(o.text_delta for o in free)
+    i = next(i for i, o in enumerate(free) if o.text_delta)
+    upto = "".join(o.text_delta for o in free[:i + 1])
+    never = upto[-1] + "\u2603"        # its first char occurs, the snowman never does
+    outs = list(engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, stop=(never, "\u2604"))))
+    assert "".join(o.text_delta for o in outs) == text
+    assert outs[-1].finish_reason == "length"
+    # Token i streams upto[-1] without a stop string, and holds it back with one.
+    assert "".join(o.text_delta for o in outs[:i + 1]) == upto[:-1]
+
+
 def test_max_tokens_eos_and_usage(model):
     engine = tiny_engine(model)
     prompt = random_prompt(10, seed=3)
