@@ -139,7 +139,7 @@ def bench_attention(args, dev, dtype, peak, copy_bw, results):
         try:  # enable_gqa needs torch >= 2.5; the yardstick is optional
             rows.append(("torch_sdpa_contiguous", time_ms(sdpa, dev, args.iters)))
         except Exception as e:
-            results["errors"].append(f"torch SDPA yardstick skipped: {type(e).__name__}: {e}")
+            results["notes"].append(f"torch SDPA yardstick skipped: {type(e).__name__}: {e}")
         del kc, vc
         for name, ms in rows:
             bw = kv_bytes / (ms * 1e-3)
@@ -454,7 +454,7 @@ def main(argv=None) -> int:
                    peak_GBps=round(peak / 1e9, 1) if peak else None, peak_source=peak_src,
                    copy_GBps=round(copy_bw / 1e9, 1) if copy_bw else None,
                    args={k: sorted(v) if isinstance(v, set) else v for k, v in vars(args).items()},
-                   attention=[], decode=[], engine=[], errors=[])
+                   attention=[], decode=[], engine=[], errors=[], notes=[])
     try:
         import cupy
         results["cupy"] = cupy.__version__
