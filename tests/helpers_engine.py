@@ -2,6 +2,7 @@
 straight from ModelConfig, engines around them, and the no-cache reference."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers_models import randomize_
@@ -11,9 +12,17 @@ from services.compute.model_config import ModelConfig
 
 VOCAB = 259  # the byte-level tokenizer of models/default
 
-# Tiny tensors: intra-op threads only add contention on the 2 shared CI cores
-# (an einsum of a decode step went from 1.3 ms to 0.1 ms).
-torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add contention on the 2 shared CI
+    cores (an einsum of a decode step went from 1.3 ms to 0.1 ms). Import this
+    into a test module to run it single-threaded; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def tiny_model(seed: int = 0, vocab: int = VOCAB, layers: int = 2, heads: int = 4,

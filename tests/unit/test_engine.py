@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers_engine import dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine, tiny_model
+from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.async_engine import AsyncEngine
 from services.compute.engine import EvictionParams, SamplingParams
 from services.compute.eviction import InProcessAdvisor

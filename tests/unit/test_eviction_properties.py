@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import random_prompt, tiny_engine, tiny_model
+from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine import EvictionParams, SamplingParams
 from services.compute.eviction import InProcessAdvisor, min_budget_blocks
 from services.compute.policies import POLICY_NAMES
