@@ -94,9 +94,13 @@ class ModelRunner:
             out = torch.empty_like(q)
             if decode:
                 rows, tables, nblk, last_len = dec
-                o, mass = ops.paged_attention(q[rows], self.pool.k_pages, self.pool.v_pages,
-                                              tables[layer], nblk, last_len, self.scale)
-                out[rows] = o
+                only_decode = not prefill   # then rows are exactly 0..T-1: skip the gather/scatter
+                o, mass = ops.paged_attention(q if only_decode else q[rows], self.pool.k_pages,
+                                              self.pool.v_pages, tables[layer], nblk, last_len, self.scale)
+                if only_decode:
+                    out = o
+                else:
+                    out[rows] = o
                 dec_mass.append(mass.view(len(decode), self.Hkv, self.G, -1).mean(2))
             for pf in prefill:
                 out[pf.start:pf.start + pf.length] = self._prefill_attention(layer, pf, q)

@@ -9,7 +9,8 @@ Admission is by reservation: a sequence reserves the most pages it can ever
 hold (its budgeted footprint), so a running sequence never runs out of pages
 and nothing is ever preempted. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
-their floor (DESIGN protocol 6); a request that still does not fit waits.
+their floor (DESIGN protocol 6; a shrunk budget is not restored later); a
+request that still does not fit waits.
 """
 from __future__ import annotations
 

@@ -8,16 +8,19 @@ registered, it uses the configured static compute address, so a single-host
 stack works unchanged. When Redis is down it routes over the replicas it saw
 last: a registry outage must not stop traffic.
 
-The caller retries a request on another replica (passing `exclude`) when the
-chosen one is unreachable before anything was streamed.
+`Router.open()` streams one request: a replica that is unreachable (or
+refuses: draining, still loading) before it streamed anything is excluded and
+the request goes to the next one, so no request fails that had not started
+streaming; a replica lost mid-stream surfaces as its gRPC error (UNAVAILABLE).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 
@@ -27,6 +30,9 @@ from kvpop.redis_client import RedisUnavailable
 from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry
 
 log = logging.getLogger(__name__)
+
+# Before the first response these mean "this replica cannot take it": try another.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,57 @@ class Router:
             if self.inflight[target.replica_id] <= 0:
                 del self.inflight[target.replica_id]
 
+    def open(self, request, timeout: float | None = None,
+             session_replica: str | None = None) -> "RoutedStream":
+        return RoutedStream(self, request, timeout, session_replica)
+
     async def close(self) -> None:
         for ch, _ in self._channels.values():
             await ch.close()
         self._channels.clear()
+
+
+class RoutedStream:
+    """One Generate call, moved to another replica while nothing was streamed.
+
+    Iterate it for ComputeResponse messages; `target` is the replica that
+    served (or last failed). Raises NoReplicaAvailable when every replica
+    refused, or the last replica's AioRpcError. `aclose()` (or leaving the
+    iteration early) cancels the compute call, which frees its sequence."""
+
+    def __init__(self, router: Router, request, timeout: float | None, session_replica: str | None):
+        self.router = router
+        self.request = request
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.session_replica = session_replica
+        self.target: Target | None = None
+        self.tried: list[str] = []
+        self._gen = self._stream()
+
+    def __aiter__(self):
+        return self._gen
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def _stream(self) -> AsyncIterator:
+        while True:
+            self.target = target = await self.router.pick(self.session_replica, set(self.tried))
+            timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            call = target.stub.Generate(self.request, timeout=timeout)
+            started = False
+            try:
+                with self.router.track(target):
+                    async for resp in call:
+                        started = True
+                        yield resp
+                return
+            except grpc.aio.AioRpcError as e:
+                if started or e.code() not in RETRYABLE:
+                    raise
+                self.tried.append(target.replica_id)
+                log.warning("replica %s (%s) refused %s: %s; trying another", target.replica_id,
+                            target.address, e.code().name, e.details())
+            finally:
+                if not call.done():
+                    call.cancel()

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, free_port
+from kvpop.launcher import free_port
+from kvpop.paths import REPO_ROOT as REPO
 
 COMPOSE_DIR = REPO / "compose"
 OURS = ("cache-manager", "compute", "gateway")
