@@ -32,6 +32,8 @@ C = TypeVar("C", bound=ServerConfig)
 class App(Protocol):
     async def ready(self) -> None: ...
     async def close(self) -> None: ...
+    # Optional `async drain()`: runs when draining starts, before in-flight calls get their grace
+    # (e.g. end long-lived streams that would otherwise hold the whole grace period).
 
 
 class GrpcService:
@@ -125,6 +127,9 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
     serving = False
     log.info("%s draining (grace %.1fs)", name, cfg.grace_s)
     await service.health.enter_graceful_shutdown()
+    drain = getattr(app, "drain", None)
+    if drain is not None:
+        await drain()
     await service.server.stop(cfg.grace_s)
     try:
         await app.close()

@@ -238,10 +238,15 @@ def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, 
     old = stack.proc(name)
     if not _died(old):
         raise LaunchError(f"{name} is still running (pid {old.pid})")
+    index = stack.processes.index(old)
     stack.processes.remove(old)
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
     proc = _spawn(stack, name, old.cmd, old.address, child_env)
+    # Keep its place: `down` stops in reverse start order (gateway before compute before cache-manager).
+    stack.processes.remove(proc)
+    stack.processes.insert(index, proc)
+    stack.save()
     deadline = time.monotonic() + timeout
     if name == "redis":
         _wait_redis(proc, int(proc.address.rsplit(":", 1)[1]), deadline)

@@ -6,6 +6,7 @@ failing the stream would drop the plans of every other sequence on it.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import AsyncIterator
 
@@ -31,6 +32,26 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
         self.state = ScoringState()
         self.policy = AttentionPerAge()
         self.plans_sent = 0
+        self.closing = asyncio.Event()
+
+    async def _until_closing(self, request_iterator):
+        """The stream's messages until it ends or this service starts draining: a
+        long-lived Advise stream would otherwise hold the drain for its whole grace."""
+        it = request_iterator.__aiter__()
+        closing = asyncio.ensure_future(self.closing.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                await asyncio.wait({nxt, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    return
+                try:
+                    yield nxt.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            closing.cancel()
 
     def _apply(self, batch: pb.FeaturesBatch) -> pb.AdvisorReply:
         seq = self.state.get(batch.request_id)
@@ -46,7 +67,7 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
         seen: set[str] = set()
         try:
-            async for msg in request_iterator:
+            async for msg in self._until_closing(request_iterator):
                 kind = msg.WhichOneof("kind")
                 if kind == "finished":
                     self.state.drop(msg.finished.request_id)
@@ -79,6 +100,9 @@ class CacheManagerApp:
 
     async def ready(self) -> None:
         return None
+
+    async def drain(self) -> None:
+        self.servicer.closing.set()
 
     async def close(self) -> None:
         return None
