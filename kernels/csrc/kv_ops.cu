@@ -78,7 +78,8 @@ extern "C" __global__ void eviction_select(const float* __restrict__ scores,
       if (!ev[c2] || c2 == c) continue;
       const float s2 = sc[c2];
       const bool nan2 = s2 != s2;
-      const bool before = nan ? (nan2 && c2 < c) : (!nan2 && (s2 < s || (s2 == s && c2 < c)));
+      // A NaN column comes after every number and after the NaNs left of it.
+      const bool before = nan ? (!nan2 || c2 < c) : (!nan2 && (s2 < s || (s2 == s && c2 < c)));
       rank += before;
     }
     if (rank < K) cols[row * K + rank] = c;
