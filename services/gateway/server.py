@@ -14,12 +14,15 @@ import time
 
 import grpc
 
-from kvpop import security, telemetry
 from kvpop.config import GatewayConfig
 from kvpop.grpc_server import GrpcService
 from kvpop.metrics import get_metrics
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.pb import compute_pb2, generate_pb2, generate_pb2_grpc
+from kvpop.prewarm import PrewarmCounter
+from kvpop.redis_client import RedisUnavailable, connect
+from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
 from kvpop.store import SessionStore, Turn
+from services.gateway.routing import Router
 from services.gateway.validation import Invalid, validate
 
 log = logging.getLogger(__name__)
@@ -34,16 +37,34 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
     def __init__(self, cfg: GatewayConfig, store: SessionStore | None):
         self.cfg = cfg
         self.store = store
-        self.channel = security.aio_channel(
-            cfg.compute_address, options=[("grpc.max_receive_message_length", -1)],
-            interceptors=telemetry.client_interceptors())
-        self.compute = compute_pb2_grpc.ComputeStub(self.channel)
+        # One client for the replica registry and prewarm counts (sessions have their own).
+        self.redis = connect(cfg.redis_url) if cfg.redis_url else None
+        registry = ReplicaRegistry(self.redis, cfg.heartbeat_s) if self.redis is not None else None
+        self.router = Router(cfg.compute_address, registry)
+        self.prewarm = PrewarmCounter(self.redis) if self.redis is not None else None
         self.info: compute_pb2.InfoResponse | None = None
         self._background: set[asyncio.Task] = set()
 
     async def fetch_info(self, timeout: float = 5.0) -> compute_pb2.InfoResponse:
-        self.info = await self.compute.Info(compute_pb2.InfoRequest(), timeout=timeout)
+        target = await self.router.pick()
+        self.info = await target.stub.Info(compute_pb2.InfoRequest(), timeout=timeout)
         return self.info
+
+    async def _session_replica(self, session_id: str) -> str | None:
+        """The replica holding the session's KV, for affinity (None if unknown)."""
+        if not session_id or self.store is None:
+            return None
+        try:
+            session = await self.store.get(session_id)
+        except RedisUnavailable:
+            return None
+        return session.replica if session is not None else None
+
+    async def _count_prefixes(self, prompt: str) -> None:
+        try:
+            await self.prewarm.record(prompt)
+        except RedisUnavailable as e:
+            log.debug("prewarm prefixes not counted: %s", e)
 
     async def _model_info(self, context) -> generate_pb2.ModelInfo:
         if self.info is None:
@@ -67,7 +88,10 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         except Invalid as e:
             await context.abort(e.code, e.message)
         remaining = context.time_remaining()
-        call = self.compute.Generate(creq, timeout=remaining)
+        if self.prewarm is not None:
+            self._spawn(self._count_prefixes(request.prompt))
+        # Moves to another replica while nothing was streamed; see routing.py.
+        call = self.router.open(creq, remaining, await self._session_replica(request.session_id))
         text, ids, prompt_ids, finish = [], [], [], ""
         timer = get_metrics().request()
         try:
@@ -87,31 +111,36 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         except asyncio.CancelledError:
             timer.fail("cancelled")
             raise
+        except NoReplicaAvailable as e:
+            timer.fail("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no compute replica can take the request: {e}")
         except grpc.aio.AioRpcError as e:
             code = e.code()
             timer.fail(code.name)
             if code in _UNAVAILABLE:
                 self.info = None    # compute may come back with another model: ask again
+                where = call.target.address if call.target else self.cfg.compute_address
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"compute at {self.cfg.compute_address} is unavailable: {e.details()}")
+                                    f"compute at {where} is unavailable: {e.details()}")
             await context.abort(code, e.details() or code.name)
         finally:
             timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Client cancelled or deadline hit: tell compute so it frees the sequence now.
-            if not call.done():
-                call.cancel()
+            await call.aclose()
         if request.session_id and self.store is not None:
             turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
                         prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
-            self._spawn(self._record(request.session_id, turn, creq.eviction))
+            replica = call.target.replica_id if call.target and call.target.replica_id != Router.STATIC \
+                else (self.info.replica_id if self.info else "")
+            self._spawn(self._record(request.session_id, turn, creq.eviction, replica))
 
-    async def _record(self, session_id: str, turn: Turn, ev: compute_pb2.Eviction) -> None:
+    async def _record(self, session_id: str, turn: Turn, ev: compute_pb2.Eviction, replica: str) -> None:
         which = ev.WhichOneof("budget")
         budget = None if which is None else {"tokens": ev.budget_tokens} if which == "budget_tokens" \
             else {"fraction": ev.budget_fraction}
         info = self.info
         await self.store.record_turn(session_id, turn, model=info.model.name if info else "",
-                                     replica=info.replica_id if info else "", budget=budget)
+                                     replica=replica, budget=budget)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -122,7 +151,9 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         for t in list(self._background):
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(t, 2.0)
-        await self.channel.close()
+        await self.router.close()
+        if self.redis is not None:
+            await self.redis.aclose()
 
 
 class GatewayApp:
