@@ -4,7 +4,9 @@ joins and cancellations. Between every two steps:
 - sink blocks and blocks overlapping the recent window are all resident;
 - rows are strictly increasing block numbers, no page is held twice, and the
   pool's used count equals the pages held by live sequences;
-and at the end every page is back in the pool."""
+and at the end every page is back in the pool. A second property runs the
+same scenarios in a tight pool: admission by reservation never lets a step
+run out of pages (queueing and cleanup shrinks happen there)."""
 from __future__ import annotations
 
 import math
@@ -100,4 +102,31 @@ def test_budget_protection_and_pages_return(sc):
         if step > 6 and not engine.has_unfinished():
             break
     assert finished == {str(i) for i in range(len(reqs))}
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(), st.integers(40, 200), st.sampled_from([0.3, 0.7, 1.0]))
+def test_tight_pool_never_runs_out_of_pages(sc, num_pages, threshold):
+    """Admission by reservation is exact enough that a small pool never runs
+    dry mid-step, whatever joins, budgets, cleanup shrinks and the advisor do;
+    requests too big for the pool are refused up front with ValueError."""
+    advisor = InProcessAdvisor(delay=1) if sc["advisor"] != "none" else None
+    engine = tiny_engine(MODEL, advisor=advisor, block_size=sc["block_size"], prefill_chunk=sc["prefill_chunk"],
+                         num_pages=num_pages, max_num_seqs=6, cleanup_threshold=threshold)
+    admitted, finished = set(), set()
+    for i, r in enumerate(sc["requests"]):
+        try:
+            engine.add_request(str(i), r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
+                               EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"], recent=r["recent"]))
+            admitted.add(str(i))
+        except ValueError as e:
+            assert "KV pages" in str(e)
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        finished |= {o.request_id for o in engine.step() if o.finished}   # OutOfPages would raise here
+        check_invariants(engine)
+    assert finished == admitted
+    assert engine.pool.peak_used <= engine.pool.capacity
     assert engine.pool.num_free == engine.pool.capacity
