@@ -95,6 +95,27 @@ class Router:
             if self.inflight[target.replica_id] <= 0:
                 del self.inflight[target.replica_id]
 
+    async def info(self, timeout: float = 5.0):
+        """Info from the first replica that answers; the last error if none does."""
+        from kvpop.pb import compute_pb2
+
+        tried: set[str] = set()
+        last: grpc.aio.AioRpcError | None = None
+        while True:
+            try:
+                target = await self.pick(exclude=tried)
+            except NoReplicaAvailable:
+                if last is None:
+                    raise
+                raise last from None
+            try:
+                return await target.stub.Info(compute_pb2.InfoRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in RETRYABLE:
+                    raise
+                tried.add(target.replica_id)
+                last = e
+
     def open(self, request, timeout: float | None = None,
              session_replica: str | None = None) -> "RoutedStream":
         return RoutedStream(self, request, timeout, session_replica)

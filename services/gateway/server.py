@@ -46,8 +46,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         self._background: set[asyncio.Task] = set()
 
     async def fetch_info(self, timeout: float = 5.0) -> compute_pb2.InfoResponse:
-        target = await self.router.pick()
-        self.info = await target.stub.Info(compute_pb2.InfoRequest(), timeout=timeout)
+        self.info = await self.router.info(timeout=timeout)
         return self.info
 
     async def _session_replica(self, session_id: str) -> str | None:

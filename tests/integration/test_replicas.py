@@ -160,3 +160,114 @@ async def _scenario(redis, reps: Replicas) -> None:
     assert (await router.pick(session_replica="r-b")).replica_id == "r-a"
     await router.close()
     await client.aclose()
+
+
+def _serving(address: str) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _finished(address: str) -> float:
+    from kvpop.pb import compute_pb2_grpc
+    with grpc.insecure_channel(address) as ch:
+        info = compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
+    return info.stats.extra["finished_requests"]
+
+
+def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_server, tmp_path):
+    import json
+
+    from kvpop.pb import generate_pb2, generate_pb2_grpc
+    from kvpop.prewarm import PrewarmCounter
+
+    reps = Replicas(redis_server, tmp_path)
+    gw_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
+    env.update(KVPOP_GATEWAY_PORT=str(gw_port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=redis_server.url,
+               KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_COMPUTE_ADDRESS=f"127.0.0.1:{free_port()}",
+               KVPOP_DEFAULT_POLICY="dense", KVPOP_LOG_LEVEL="WARNING", OTEL_TRACES_EXPORTER="none",
+               PYTHONPATH=str(REPO))
+    gw = None
+    try:
+        reps.start("r-a")
+        reps.start("r-b")
+        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
+                              stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
+        address = f"127.0.0.1:{gw_port}"
+        deadline = time.monotonic() + 120
+        while not (_serving(address) and all(_serving(a) for a in reps.addresses.values())):
+            assert gw.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "stack not SERVING"
+            time.sleep(0.2)
+        r = redis_server.url
+        import redis as redis_sync
+        rc = redis_sync.Redis.from_url(r, decode_responses=True)
+        deadline = time.monotonic() + 10
+        while len(rc.smembers("kvpop:v1:replicas")) < 2:
+            assert time.monotonic() < deadline, "replicas not registered"
+            time.sleep(0.05)
+
+        with grpc.insecure_channel(address) as ch:
+            stub = generate_pb2_grpc.KVpopStub(ch)
+
+            def gen(prompt, n, **kw):
+                return generate_pb2.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, **kw)
+
+            # A session stays on one replica across turns.
+            before = {rid: _finished(a) for rid, a in reps.addresses.items()}
+            for turn in range(3):
+                out = list(stub.Generate(gen(f"turn {turn} of the chat", 4, session_id="s1"), timeout=60))
+                assert out[-1].finished.usage.completion_tokens == 4
+                # The turn is stored before the next one picks its replica.
+                deadline = time.monotonic() + 5
+                while json.loads(rc.get("kvpop:v1:session:s1") or "{}").get("turns", 0) < turn + 1:
+                    assert time.monotonic() < deadline, "session turn not stored"
+                    time.sleep(0.02)
+            home = json.loads(rc.get("kvpop:v1:session:s1"))["replica"]
+            other = ({"r-a", "r-b"} - {home}).pop()
+            assert _finished(reps.addresses[home]) - before[home] == 3
+            assert _finished(reps.addresses[other]) == before[other]
+
+            # The gateway counts prompt prefixes for prewarm.
+            system = "You are a terse assistant. Answer with one number. " * 4
+            for i in range(5):
+                list(stub.Generate(gen(system + f"question {i}: what is {i} + {i}?", 2), timeout=60))
+
+            async def top():
+                from kvpop.redis_client import connect as aconnect
+                c = aconnect(redis_server.url)
+                try:
+                    return await PrewarmCounter(c).top_entries(1)
+                finally:
+                    await c.aclose()
+            deadline = time.monotonic() + 5
+            while not (entries := asyncio.run(top())) or entries[0].count < 5:
+                assert time.monotonic() < deadline, entries
+                time.sleep(0.05)
+            assert entries[0].text == system[:128]
+
+            # The session's replica dies while streaming to it.
+            it = iter(stub.Generate(gen("a long answer", 400, session_id="s1"), timeout=120))
+            for _ in range(3):
+                assert next(it).HasField("chunk")
+            reps.kill(home)
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in it:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Requests that had not started all succeed, the session's next turn too.
+            for i in range(6):
+                out = list(stub.Generate(gen(f"after the crash {i}", 8), timeout=60))
+                assert out[-1].finished.usage.completion_tokens == 8
+            out = list(stub.Generate(gen("the next turn", 8, session_id="s1"), timeout=60))
+            assert out[-1].finished.usage.completion_tokens == 8
+    finally:
+        if gw is not None and gw.poll() is None:
+            gw.terminate()
+            gw.wait(20)
+        reps.close()
