@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kernels import ops
 from services.compute.kv_pool import KVPool
-from services.compute.sequence import SNAPKV_WINDOW, Sequence
+from services.compute.sequence import SNAPKV_WINDOW, Sequence, observe_decode
 
 
 @dataclass
@@ -114,10 +114,9 @@ class ModelRunner:
         # Dense sequences never evict: their statistics would go unused.
         if decode:
             mass = torch.stack(dec_mass)                                       # [L, B, Hkv, NBmax]
-            for b, (seq, _) in enumerate(decode):
-                if seq.eviction.budget_blocks is not None:
-                    m = mass[:, b, :, :seq.num_blocks]
-                    seq.observe(m, m, m[:, :, None])
+            obs = [(b, seq) for b, (seq, _) in enumerate(decode) if seq.eviction.budget_blocks is not None]
+            if obs:
+                observe_decode([s for _, s in obs], [mass[:, b, :, :s.num_blocks] for b, s in obs])
         for pf in prefill:
             if pf.seq.eviction.budget_blocks is not None:
                 pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))

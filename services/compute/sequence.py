@@ -137,3 +137,14 @@ class Sequence:
 
     def pages(self) -> torch.Tensor:
         return self.page_table.reshape(-1)
+
+
+def observe_decode(seqs: list[Sequence], mass: list[torch.Tensor]) -> None:
+    """``observe`` of one decode query per sequence (``mass[i]`` is
+    ``[L, Hkv, NB_i]``), batched: three multi-tensor ops for the whole batch
+    instead of a few kernel launches per sequence."""
+    torch._foreach_add_([s.acc_mass for s in seqs], mass)
+    torch._foreach_copy_([s.last_mass for s in seqs], mass)
+    torch._foreach_copy_([s.win_mass[..., s.win_ptr] for s in seqs], mass)
+    for s in seqs:
+        s.win_ptr = (s.win_ptr + 1) % SNAPKV_WINDOW

@@ -135,3 +135,18 @@ def test_eviction_select_contract_used_by_rounds():
     scores = torch.tensor([[0.5, 0.1, 0.9, 0.2]])
     evictable = torch.tensor([[True, False, True, True]])
     assert ops.eviction_select(scores, evictable, 2).tolist() == [[3, 0]]
+
+
+def test_batched_decode_observe_equals_one_by_one():
+    from services.compute.sequence import observe_decode
+    torch.manual_seed(0)
+    a = [make_seq(n)[0] for n in (3, 5)]
+    b = [make_seq(n)[0] for n in (3, 5)]
+    for step in range(11):   # more steps than the window: the ring wraps
+        masses = [torch.rand(1, 2, s.num_blocks) for s in a]
+        for s, m in zip(a, masses):
+            s.observe(m, m, m[:, :, None])
+        observe_decode(b, masses)
+    for x, y in zip(a, b):
+        assert torch.equal(x.acc_mass, y.acc_mass) and torch.equal(x.last_mass, y.last_mass)
+        assert torch.equal(x.win_mass, y.win_mass) and x.win_ptr == y.win_ptr
