@@ -336,3 +336,25 @@ def test_async_engine_survives_a_failing_step(model):
         assert aengine.is_alive() and aengine.stats()["pages_used"] == 0
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_on_cuda(dtype):
+    """The same engine on a GPU (CUDA kernels when CuPy is there): dense greedy
+    equals recomputation in fp32, evicting policies stay in budget, pages return."""
+    model = tiny_model(seed=0).to("cuda", dtype)
+    engine = tiny_engine(model, prefill_chunk=8, advisor=InProcessAdvisor())
+    prompt = random_prompt(40, seed=1)
+    got = [o.token_id for o in engine.generate(prompt, GREEDY)]
+    if dtype == torch.float32:
+        assert got == dense_greedy(model, prompt, GREEDY.max_tokens)
+    for policy in ("streaming", "h2o", "tova", "snapkv", "knorm", "keydiff", "random", "learned"):
+        outs = list(engine.generate(prompt, SamplingParams(max_tokens=30, temperature=0.7, seed=3, ignore_eos=True),
+                                    EvictionParams(policy, budget=24, sink=4, recent=4)))
+        u = outs[-1].usage
+        assert len(outs) == 30 and u.kv_blocks_evicted > 0, policy
+        slack = engine.config.plan_slack_blocks if policy == "learned" else 0
+        assert u.kv_blocks_resident <= (24 // 4 + slack) * 4, policy
+    assert engine.pool.num_free == engine.pool.capacity
