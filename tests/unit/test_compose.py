@@ -241,6 +241,13 @@ def test_health_check_commands_against_local_services(compose, redis_server, tmp
         for name in OURS:
             r = stack.wait_healthy(name, deadline_s=120)
             assert "SERVING" in r.stdout and "200" in r.stdout, r.stdout
+        # Compute joined the replica registry under compose's id and advertised address.
+        import json
+
+        import redis
+        rc = redis.Redis(port=redis_server.port, decode_responses=True)
+        entry = json.loads(rc.get("kvpop:v1:replica:compute-0"))
+        assert entry["address"] == stack.localise(_env(compose["services"]["compute"])["KVPOP_ADVERTISE_ADDRESS"])
         # A stopped service turns its probe red.
         stack.stop("cache-manager")
         assert stack.check("cache-manager").returncode == 1
