@@ -103,19 +103,30 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         return _unauthenticated(handler)
 
 
-def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    async def deny(_request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            "missing or wrong bearer token (KVPOP_INTERNAL_TOKEN)")
+_DENIED = "missing or wrong bearer token (KVPOP_INTERNAL_TOKEN)"
 
+
+async def _deny(_request, context: grpc.aio.ServicerContext):
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+async def _deny_stream(_request, context: grpc.aio.ServicerContext):
+    # An async generator, as other interceptors (OpenTelemetry's) iterate
+    # the behaviour of a streaming-response method.
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+    yield  # pragma: no cover
+
+
+def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     # No request deserializer: a rejected caller's bytes are never parsed.
+    ser = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, None, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(_deny, None, ser)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny, None, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(_deny_stream, None, ser)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, None, handler.response_serializer)
-    return grpc.stream_stream_rpc_method_handler(deny, None, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(_deny, None, ser)
+    return grpc.stream_stream_rpc_method_handler(_deny_stream, None, ser)
 
 
 def server_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ServerInterceptor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from helpers_pki import make_pki
+from kvpop import telemetry
 from kvpop.security import (
     ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN, SecurityConfig, SecurityConfigError, add_port,
     aio_channel, server_interceptors, sync_channel,
@@ -22,39 +23,9 @@ from kvpop.security import (
 TOKEN = "s3cret-token"
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-             "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "2",
-             "-subj", f"/CN={name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
-def _make_leaf(d: Path, name: str, ca: str) -> None:
-    (d / f"{name}.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-        "extendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
-             "-extfile", f"{name}.ext", cwd=d)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl CLI is needed to make test certificates")
-    d = tmp_path_factory.mktemp("pki")
-    _make_ca(d, "ca")
-    _make_leaf(d, "server", "ca")
-    _make_leaf(d, "client", "ca")
-    _make_ca(d, "rogue-ca")
-    _make_leaf(d, "rogue", "rogue-ca")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def _env(pki: Path, leaf: str = "client", ca: str = "ca", token: str | None = TOKEN) -> dict:
@@ -88,7 +59,8 @@ HANDLER = grpc.method_handlers_generic_handler("test.Echo", {
 
 
 async def _start(cfg: SecurityConfig) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(interceptors=server_interceptors(cfg))
+    # The same interceptor chain as the services (tracing first).
+    server = grpc.aio.server(interceptors=[*telemetry.server_interceptors(), *server_interceptors(cfg)])
     server.add_generic_rpc_handlers((HANDLER,))
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
