@@ -56,6 +56,10 @@ def _function(kind: str, defines: tuple, name: str, device: int):
         return module.get_function(name)
 
 
+def sm_count(device: torch.device) -> int:
+    return _sm_count(device.index or 0)
+
+
 @functools.cache
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -76,11 +80,20 @@ def _external_stream(ptr: int, device: int):
 
 def _launch(kind: str, defines: dict, name: str, device: torch.device, grid, block, args,
             shared_mem: int = 0) -> None:
+    _launcher(kind, tuple(sorted(defines.items())), name, device, grid, block, args, shared_mem)
+
+
+def _cupy_launch(kind: str, defines: tuple, name: str, device: torch.device, grid, block, args,
+                 shared_mem: int) -> None:
     import cupy
     dev = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _function(kind, tuple(sorted(defines.items())), name, dev)
+    fn = _function(kind, defines, name, dev)
     with cupy.cuda.Device(dev), _stream(dev):
         fn(grid, block, args, shared_mem=shared_mem)
+
+
+# kernels.emulate swaps in a host launcher so CPU-only runs can test the sources.
+_launcher = _cupy_launch
 
 
 def _ptr(t: torch.Tensor) -> np.uint64:
@@ -156,7 +169,7 @@ def paged_attention(q, k_pages, v_pages, page_table, num_blocks, last_block_len,
         return out, block_mass
     cfg = attention_config(D, BS, Hq // Hkv, q.dtype, (q.data_ptr(), k_pages.data_ptr(),
                                                       v_pages.data_ptr()))
-    S, chunk = splits(B, Hkv, NB, cfg["NW"], _sm_count(dev.index or 0))
+    S, chunk = splits(B, Hkv, NB, cfg["NW"], sm_count(dev))
     # One scratch allocation for the split partials and the per-block maxima.
     n1, n2 = B * Hq * S, B * Hq * S * D
     work = torch.empty(2 * n1 + n2 + B * Hq * NB, dtype=torch.float32, device=dev)
@@ -193,7 +206,7 @@ def kv_append(k_pages, v_pages, k_new, v_new, page, offset):
     page = page.to(device=dev, dtype=torch.int64).contiguous()
     offset = offset.to(device=dev, dtype=torch.int64).contiguous()
     threads = 256
-    grid = min(math.ceil(N * D / threads), 32 * _sm_count(dev.index or 0))
+    grid = min(math.ceil(N * D / threads), 32 * sm_count(dev))
     _launch("kv_ops", {"DT": _dtype_code(k_pages, v_pages, k_new, v_new)}, "kv_append", dev,
             (grid,), (threads,),
             (_ptr(k_pages), _ptr(v_pages), _ptr(k_new), _ptr(v_new), _ptr(page), _ptr(offset),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -235,3 +236,57 @@ def test_bench_h2o_rounds_keep_page_tables_valid():
     assert all(len(set(r.tolist())) == dec.cap for r in rows)
     assert torch.equal(rows.sort(1).values, before.view(-1, dec.cap).sort(1).values)
     assert torch.equal(dec.page_table[..., 0], before[..., 0])
+
+
+# ---- the CUDA sources themselves, run on the CPU through the host emulation
+# (kernels/emulate.py): the GPU tests in test_kernels_cuda.py cover the real
+# device; these keep the kernels' logic checked on machines without one.
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the host emulation")
+
+
+@needs_gxx
+@pytest.mark.parametrize("dtype,group,d,bs", [(torch.bfloat16, 4, 64, 16), (torch.float16, 8, 32, 4),
+                                              (torch.float32, 3, 48, 1)])
+def test_cuda_attention_source_under_host_emulation(dtype, group, d, bs):
+    from kernels import cuda, emulate
+    # NaN in every padding slot and block tail; 16 "SMs" make the kernel split each sequence.
+    case = make_case(B=3, Hq=2 * group, Hkv=2, d=d, bs=bs, NB=12, dtype=dtype, seed=0,
+                     garbage=float("nan"))
+    assert cuda.splits(3, 2, 12, 4, 16)[0] > 1
+    with emulate.emulated(sm_count=16):
+        out, mass = cuda.paged_attention(*case, 0.2)
+    want_out, want_mass = reference.paged_attention(*case, 0.2)
+    tol = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), want_out.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(mass, want_mass, atol=2e-6, rtol=1e-4)
+
+
+@needs_gxx
+def test_cuda_kv_ops_sources_under_host_emulation():
+    from kernels import cuda, emulate
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (9, 64), generator=g).float()   # ties
+    scores[0, ::3] = float("nan")
+    scores[1, ::2] = float("inf")
+    evictable = torch.rand(9, 64, generator=g) < 0.6
+    evictable[:, 0] = True
+    k = int(evictable.sum(1).min())
+    kp = torch.randn(12, 8, 96, generator=g).half()
+    vp = torch.randn(12, 8, 96, generator=g).half()
+    pages = torch.tensor([3, 11, 1, 3])
+    pool_k = torch.randn(10, 4, 64, generator=g).bfloat16()
+    pool_v = pool_k.clone()
+    want_k, want_v = pool_k.clone(), pool_v.clone()
+    qkv = torch.randn(5, 3, 64, generator=g).bfloat16()             # strided k/v rows
+    page, offset = torch.tensor([1, 9, 4, 4, 2]), torch.tensor([0, 3, 1, 2, 3])
+    with emulate.emulated():
+        cols = cuda.eviction_select(scores, evictable, k)
+        key_mean, value_norm = cuda.block_features(kp, vp, pages)
+        cuda.kv_append(pool_k, pool_v, qkv[:, 1], qkv[:, 2], page, offset)
+    assert torch.equal(cols, reference.eviction_select(scores, evictable, k))
+    want_mean, want_norm = reference.block_features(kp, vp, pages)
+    torch.testing.assert_close(key_mean, want_mean)
+    torch.testing.assert_close(value_norm, want_norm)
+    reference.kv_append(want_k, want_v, qkv[:, 1], qkv[:, 2], page, offset)
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
