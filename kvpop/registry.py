@@ -118,13 +118,19 @@ class ReplicaRegistry:
         candidates = [r for r in await self.healthy_replicas() if r.id not in exclude]
         if not candidates:
             raise NoReplicaAvailable("no healthy compute replica registered")
-        if session_affinity is not None:
-            for r in candidates:
-                if r.id == session_affinity:
-                    return r
-        inflight = inflight or {}
-        return min(candidates,
-                   key=lambda r: ((r.load + inflight.get(r.id, 0)) / max(1, r.capacity), r.id))
+        return choose(candidates, session_affinity, inflight)
+
+
+def choose(candidates: list[Replica], session_affinity: str | None = None,
+           inflight: Mapping[str, int] | None = None) -> Replica:
+    """The session's replica if it is among `candidates`, else the least
+    utilised one (heartbeat load plus the caller's in-flight streams, over
+    capacity; ties by id so equal replicas fill in a stable order)."""
+    for r in candidates:
+        if r.id == session_affinity:
+            return r
+    inflight = inflight or {}
+    return min(candidates, key=lambda r: ((r.load + inflight.get(r.id, 0)) / max(1, r.capacity), r.id))
 
 
 class Heartbeat:

@@ -27,7 +27,7 @@ import grpc
 from kvpop import security, telemetry
 from kvpop.pb import compute_pb2_grpc
 from kvpop.redis_client import RedisUnavailable
-from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry
+from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry, choose
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +72,11 @@ class Router:
                 log.warning("replica registry unavailable, routing over the last known replicas: %s", e)
             live = [r for r in self._last_known if r.id not in exclude]
             if live:
-                chosen = self._choose(live, session_replica)
+                chosen = choose(live, session_replica, self.inflight)
                 return Target(chosen.id, chosen.address, self.stub(chosen.address))
         if self.STATIC in exclude:
             raise NoReplicaAvailable("no compute replica left to try")
         return self._static()
-
-    def _choose(self, live: list[Replica], session_replica: str | None) -> Replica:
-        for r in live:
-            if r.id == session_replica:
-                return r
-        return min(live, key=lambda r: ((r.load + self.inflight[r.id]) / max(1, r.capacity), r.id))
 
     @contextlib.contextmanager
     def track(self, target: Target) -> Iterator[None]:
