@@ -56,8 +56,12 @@ def _function(kind: str, defines: tuple, name: str, device: int):
         return module.get_function(name)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device: torch.device) -> int:
-    return _sm_count(device.index or 0)
+    return _sm_count(_index(device))
 
 
 @functools.cache
@@ -66,7 +70,6 @@ def _sm_count(device: int) -> int:
 
 
 def _stream(device: int):
-    import cupy
     ptr = torch.cuda.current_stream(device).cuda_stream
     return _external_stream(ptr, device)
 
@@ -86,7 +89,7 @@ def _launch(kind: str, defines: dict, name: str, device: torch.device, grid, blo
 def _cupy_launch(kind: str, defines: tuple, name: str, device: torch.device, grid, block, args,
                  shared_mem: int) -> None:
     import cupy
-    dev = device.index if device.index is not None else torch.cuda.current_device()
+    dev = _index(device)
     fn = _function(kind, defines, name, dev)
     with cupy.cuda.Device(dev), _stream(dev):
         fn(grid, block, args, shared_mem=shared_mem)
