@@ -200,6 +200,8 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
             "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host],
             "compute": [*py, _MODULES["compute"], "--port", str(ports["compute"]), "--host", host,
                         "--cache-manager-address", dial["cache-manager"],
+                        # Registry heartbeats (the gateway routes by them) and prewarm entries.
+                        "--redis-url", redis_url, "--advertise-address", dial["compute"],
                         *(["--model", str(Path(model).resolve())] if model else [])],
             "gateway": [*py, _MODULES["gateway"], "--port", str(ports["gateway"]), "--host", host,
                         "--compute-address", dial["compute"], "--redis-url", redis_url,
