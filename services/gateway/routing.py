@@ -5,8 +5,11 @@ asks it for the least-loaded healthy replica, counting the streams this
 gateway already has open on each (heartbeats show them only later), and keeps
 a session on the replica that holds its KV. With no Redis, or no replica
 registered, it uses the configured static compute address, so a single-host
-stack works unchanged. When Redis is down it routes over the replicas it saw
-last: a registry outage must not stop traffic.
+stack works unchanged. The healthy list is re-read at most every
+`interval / 10` (Redis load stays flat under traffic). When Redis is down it
+routes over the replicas it saw last and leaves Redis alone for a second:
+a registry outage must neither stop traffic nor add its timeouts to every
+request.
 
 `Router.open()` streams one request: a replica that is unreachable (or
 refuses: draining, still loading) before it streamed anything is excluded and
@@ -51,6 +54,9 @@ class Router:
         self.inflight: Counter[str] = Counter()
         self._channels: dict[str, tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]] = {}
         self._last_known: list[Replica] = []
+        self._fresh_until = 0.0     # monotonic time until which _last_known is reused
+        self.refresh_s = registry.interval_s / 10 if registry is not None else 0.0
+        self.outage_backoff_s = 1.0
 
     def stub(self, address: str) -> compute_pb2_grpc.ComputeStub:
         if address not in self._channels:
@@ -66,17 +72,26 @@ class Router:
                    exclude: frozenset[str] | set[str] = frozenset()) -> Target:
         """Raises NoReplicaAvailable when every known replica is excluded."""
         if self.registry is not None:
-            try:
-                self._last_known = await self.registry.healthy_replicas()
-            except RedisUnavailable as e:
-                log.warning("replica registry unavailable, routing over the last known replicas: %s", e)
-            live = [r for r in self._last_known if r.id not in exclude]
+            live = [r for r in await self._replicas() if r.id not in exclude]
             if live:
                 chosen = choose(live, session_replica, self.inflight)
                 return Target(chosen.id, chosen.address, self.stub(chosen.address))
         if self.STATIC in exclude:
             raise NoReplicaAvailable("no compute replica left to try")
         return self._static()
+
+    async def _replicas(self) -> list[Replica]:
+        now = time.monotonic()
+        if now < self._fresh_until:
+            return self._last_known
+        try:
+            self._last_known = await self.registry.healthy_replicas()
+            self._fresh_until = time.monotonic() + self.refresh_s
+        except RedisUnavailable as e:
+            log.warning("replica registry unavailable, routing over the %d last known replicas: %s",
+                        len(self._last_known), e)
+            self._fresh_until = time.monotonic() + self.outage_backoff_s
+        return self._last_known
 
     @contextlib.contextmanager
     def track(self, target: Target) -> Iterator[None]:
