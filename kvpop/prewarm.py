@@ -16,6 +16,8 @@ request never repeats. `top_entries` drops an entry that is a prefix of a
 better-ranked one: the prefix cache serves it from the longer entry's blocks.
 
 At most `max_entries` prefixes are kept; the least counted are trimmed.
+Counting is best effort: after Redis fails, `record` skips Redis for
+`backoff_s` so a gateway under load does not pile up waiting writes.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from kvpop.redis_client import KEY_PREFIX, unavailable_as
+from kvpop.redis_client import KEY_PREFIX, RedisUnavailable, unavailable_as
 
 COUNTS_KEY = KEY_PREFIX + "prewarm:counts"
 TEXT_KEY = KEY_PREFIX + "prewarm:text"
@@ -57,29 +59,40 @@ class PrewarmEntry:
 
 class PrewarmCounter:
     def __init__(self, client: aioredis.Redis, max_entries: int = 1000,
-                 min_chars: int = 64, max_chars: int = 4096):
+                 min_chars: int = 64, max_chars: int = 4096, backoff_s: float = 1.0):
         self.redis = client
         self.max_entries = max_entries
         self.min_chars = min_chars
         self.max_chars = max_chars
+        self.backoff_s = backoff_s
+        self.skipped = 0
+        self._skip_until = 0.0
 
     async def record(self, prompt: str, system_prompt: str | None = None) -> int:
-        """Count the prompt's prefixes; returns how many were counted."""
+        """Count the prompt's prefixes; returns how many were counted (0 while
+        backing off after a failure). Raises RedisUnavailable on the failure."""
         prefixes = candidate_prefixes(prompt, system_prompt, self.min_chars, self.max_chars)
         if not prefixes:
             return 0
+        if time.monotonic() < self._skip_until:
+            self.skipped += 1
+            return 0
         now = time.time()
-        async with unavailable_as("counting prewarm prefixes"):
-            async with self.redis.pipeline(transaction=True) as pipe:
-                for text in prefixes:
-                    h = prefix_hash(text)
-                    pipe.zincrby(COUNTS_KEY, 1, h)
-                    pipe.hsetnx(TEXT_KEY, h, json.dumps(
-                        {"hash": h, "text": text, "chars": len(text), "first_seen": now}))
-                pipe.zcard(COUNTS_KEY)
-                size = (await pipe.execute())[-1]
-            if size > self.max_entries * 2:
-                await self._trim()
+        try:
+            async with unavailable_as("counting prewarm prefixes"):
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    for text in prefixes:
+                        h = prefix_hash(text)
+                        pipe.zincrby(COUNTS_KEY, 1, h)
+                        pipe.hsetnx(TEXT_KEY, h, json.dumps(
+                            {"hash": h, "text": text, "chars": len(text), "first_seen": now}))
+                    pipe.zcard(COUNTS_KEY)
+                    size = (await pipe.execute())[-1]
+                if size > self.max_entries * 2:
+                    await self._trim()
+        except RedisUnavailable:
+            self._skip_until = time.monotonic() + self.backoff_s
+            raise
         return len(prefixes)
 
     async def _trim(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 
 import pytest
 
@@ -87,15 +88,20 @@ def test_trim_keeps_the_most_counted(redis_server):
 def test_redis_down_is_a_clear_exception(redis_server):
     async def go():
         client = connect(redis_server.url, timeout_s=0.3)
-        counter = PrewarmCounter(client)
+        counter = PrewarmCounter(client, backoff_s=0.5)
         await counter.record("p" * 100)
         redis_server.stop()
         with pytest.raises(RedisUnavailable):
             await counter.record("p" * 100)
         with pytest.raises(RedisUnavailable):
             await counter.top_entries(3)
+        # Right after a failure, records are skipped without touching Redis.
+        t0 = time.monotonic()
+        assert await counter.record("p" * 100) == 0 and counter.skipped == 1
+        assert time.monotonic() - t0 < 0.05
         redis_server.start()   # appendonly: the counts survive the restart
-        await counter.record("p" * 100)
+        await asyncio.sleep(max(0.0, counter._skip_until - time.monotonic()))
+        assert await counter.record("p" * 100) == 1
         assert (await counter.top_entries(1))[0].count == 2
         await client.aclose()
     run(go())
