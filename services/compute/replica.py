@@ -51,8 +51,13 @@ class ReplicaReporter:
             log.warning("no prewarm: %s", e)
             return []
 
-    async def stop(self) -> None:
-        """Leave the registry at once (draining): the gateway stops routing here."""
+    async def leave(self) -> None:
+        """Leave the registry at once (draining starts): the gateway stops
+        sending new requests here while in-flight streams finish."""
         if self.heartbeat is not None:
             await self.heartbeat.stop(deregister=True)
+            self.heartbeat = None
+
+    async def stop(self) -> None:
+        await self.leave()
         await self.client.aclose()

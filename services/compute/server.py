@@ -213,6 +213,10 @@ class ComputeApp:
             log.info("%d prewarm entries found; this engine has no prefix cache to load them", len(entries))
         await self.reporter.start()
 
+    async def drain(self) -> None:
+        if self.reporter is not None:
+            await self.reporter.leave()
+
     async def close(self) -> None:
         if self.reporter is not None:
             await self.reporter.stop()

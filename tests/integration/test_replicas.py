@@ -39,7 +39,7 @@ class Replicas:
         env.update(KVPOP_COMPUTE_PORT=str(port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=self.redis.url,
                    KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_REPLICA_ID=rid, KVPOP_DEVICE="cpu",
                    KVPOP_MAX_MODEL_LEN="512", KVPOP_NUM_PAGES="4096", KVPOP_LOG_LEVEL="WARNING",
-                   OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(REPO))
+                   KVPOP_GRACE_S="30", OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(REPO))
         log = open(self.tmp / f"{rid}.log", "w")
         self.procs[rid] = subprocess.Popen([sys.executable, "-m", "services.compute"], env=env, cwd=REPO,
                                            stdout=log, stderr=subprocess.STDOUT)
@@ -169,6 +169,20 @@ async def _scenario(redis, reps: Replicas) -> None:
 
     assert await gone - killed <= HEARTBEAT_S + 0.25
     assert (await router.pick(session_replica="r-b")).replica_id == "r-a"
+
+    # SIGTERM drains r-a: it leaves the registry at once (well before its
+    # entry could expire), and its in-flight stream still finishes.
+    last = router.open(request(400), timeout=60)
+    it = last.__aiter__()
+    assert (await it.__anext__()).response.HasField("chunk")
+    reps.procs["r-a"].send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+
+    async def a_gone():
+        return "r-a" not in await ids()
+    assert await wait_for(a_gone, 5, "r-a to deregister", step=0.005) - sent < 0.3
+    assert 1 + await drain(it) == 400
+    assert await asyncio.to_thread(reps.procs["r-a"].wait, 30) == 0
     await router.close()
     await client.aclose()
 
