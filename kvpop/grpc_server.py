@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Awaitable, Callable, Protocol, TypeVar
@@ -155,9 +156,14 @@ def run_service(name: str, cfg_cls: type[C], build: Callable[[C, GrpcService], A
     configure_logging(cfg.log_level)
     telemetry.setup_tracing(name)
     try:
-        return asyncio.run(serve(name, cfg, build, internal))
+        rc = asyncio.run(serve(name, cfg, build, internal))
     except RuntimeError as e:
         log.error("%s", e)
-        return 1
-    finally:
-        telemetry.shutdown_tracing()
+        rc = 1
+    telemetry.shutdown_tracing()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is drained and flushed; skip interpreter teardown, which takes
+    # seconds once torch is loaded and would only delay `kvpop down` and restarts.
+    os._exit(rc)
