@@ -102,6 +102,9 @@ def test_health_checks_timing_and_targets(compose):
         assert test[test.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}", name
         assert test[test.index("--http") + 1] == \
             f"http://127.0.0.1:{env['KVPOP_METRICS_PORT']}/healthz", name
+        # Internal ports follow KVPOP_TLS_* (set in every container); the
+        # public gateway port is plaintext whatever they say.
+        assert ("--plaintext" in test) == (name == "gateway"), name
 
 
 def test_commands_are_our_entry_points_and_start(compose, scripts):

@@ -99,7 +99,7 @@ async def _health(channel) -> int:
     return resp.status
 
 
-def test_token_on_plaintext_rejects_every_rpc_shape_but_not_health():
+def test_token_on_plaintext_rejects_every_rpc_shape_but_not_health(pki):
     async def go():
         server, addr = await _start(SecurityConfig(token=TOKEN))
         try:
@@ -116,6 +116,16 @@ def test_token_on_plaintext_rejects_every_rpc_shape_but_not_health():
                         _consume(bidi(_one(), timeout=5))) == grpc.StatusCode.UNAUTHENTICATED
                     # Health probes need no secret.
                     assert await _health(ch) == health_pb2.HealthCheckResponse.SERVING
+            # ... and a plaintext port is probed fine from a process that has
+            # the internal TLS settings (the gateway container).
+            probe = [sys.executable, "-m", "kvpop.healthcheck", "--grpc", addr]
+            env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOP_")}, **_env(pki)}
+            r = await asyncio.to_thread(subprocess.run, probe + ["--plaintext"], capture_output=True,
+                                        text=True, timeout=60, env=env)
+            assert r.returncode == 0, r.stdout + r.stderr
+            r = await asyncio.to_thread(subprocess.run, probe, capture_output=True, text=True,
+                                        timeout=60, env=env)
+            assert r.returncode == 1
             # An unknown method stays UNIMPLEMENTED, with or without a token.
             async with aio_channel(addr, SecurityConfig()) as ch:
                 assert await _code_of(ch.unary_unary("/test.Echo/Nope")(b"", timeout=5)) \
@@ -180,6 +190,10 @@ def test_mutual_tls_with_token(pki):
             plain = await asyncio.to_thread(subprocess.run, probe, capture_output=True,
                                             text=True, timeout=60, env=base)
             assert plain.returncode == 1 and "UNAVAILABLE" in plain.stdout
+            # --plaintext ignores the TLS variables: it fails on this TLS port ...
+            forced = await asyncio.to_thread(subprocess.run, probe + ["--plaintext"], capture_output=True,
+                                             text=True, timeout=60, env={**base, **_env(pki, token=None)})
+            assert forced.returncode == 1
         finally:
             await server.stop(None)
     asyncio.run(go())
