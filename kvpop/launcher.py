@@ -156,6 +156,15 @@ def _wait_redis(proc: Proc, port: int, deadline: float) -> None:
     raise LaunchError(f"redis-server did not answer PING; log {proc.log}")
 
 
+def _check_redis_url(url: str) -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2).ping()
+    except (redis.RedisError, ValueError) as e:
+        raise LaunchError(f"cannot reach Redis at {url}: {e}") from None
+
+
 def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | None = None,
                 port: int | None = None, host: str = "127.0.0.1", policy: str | None = None,
                 service_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
@@ -187,6 +196,8 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
             _wait_redis(rproc, rport, deadline)
             redis_url = f"redis://127.0.0.1:{rport}/0"
             say(f"redis      {redis_url}")
+        else:
+            _check_redis_url(redis_url)
         stack.redis_url = redis_url
         ports = {"cache-manager": free_port(), "compute": free_port(), "gateway": port or free_port()}
         addr = {n: f"{host}:{p}" for n, p in ports.items()}
