@@ -34,6 +34,30 @@ def compose() -> dict:
 
 
 @pytest.fixture(scope="module")
+def ours(compose) -> list[tuple[str, str, dict]]:
+    """(file, service name, service) of every kvpop service in both compose
+    files: the main host's and an extra GPU host's (replica.yml)."""
+    replica = yaml.safe_load((COMPOSE_DIR / "replica.yml").read_text())
+    out = []
+    for file, doc in (("docker-compose.yml", compose), ("replica.yml", replica)):
+        out += [(file, n, svc) for n, svc in doc["services"].items() if "build" in svc]
+    return out
+
+
+def test_replica_file_joins_the_shared_redis(compose):
+    replica = yaml.safe_load((COMPOSE_DIR / "replica.yml").read_text())
+    assert set(replica["services"]) == {"cache-manager", "compute"}
+    env = _env(replica["services"]["compute"])
+    # Nothing defaults to a host-local guess: compose refuses to start without them.
+    for var in ("KVPOP_REDIS_URL", "KVPOP_REPLICA_ID", "KVPOP_ADVERTISE_ADDRESS"):
+        assert re.fullmatch(r"\$\{%s:\?[^}]+\}" % var, env[var]), var
+    assert env["KVPOP_CACHE_MANAGER_ADDRESS"] == "cache-manager:50053"
+    assert replica["services"]["compute"]["deploy"] == compose["services"]["compute"]["deploy"]
+    # The main host publishes Redis for them.
+    assert any(p.endswith(":6379") for p in compose["services"]["redis"]["ports"])
+
+
+@pytest.fixture(scope="module")
 def scripts() -> dict[str, str]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
 
@@ -87,17 +111,17 @@ def test_services_and_structure(compose):
         assert _env(svcs[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
 
 
-def test_health_checks_timing_and_targets(compose):
-    svcs = compose["services"]
-    for name in ("redis", *OURS):
-        hc = svcs[name]["healthcheck"]
-        assert (hc["interval"], hc["timeout"], hc["retries"]) == ("30s", "5s", 3), name
+def test_health_checks_timing_and_targets(compose, ours):
+    assert {n for _, n, _ in ours} == set(OURS)
+    for file, name, svc in [("docker-compose.yml", "redis", compose["services"]["redis"]), *ours]:
+        hc = svc["healthcheck"]
+        assert (hc["interval"], hc["timeout"], hc["retries"]) == ("30s", "5s", 3), (file, name)
         assert hc["test"][0] == "CMD"
-    for name in OURS:
-        env = _env(svcs[name])
+    for file, name, svc in ours:
+        env = _env(svc)
         grpc_port = next(v for k, v in env.items() if re.fullmatch(r"KVPOP_[A-Z_]+_PORT", k)
                          and k != "KVPOP_METRICS_PORT")
-        test = svcs[name]["healthcheck"]["test"][1:]
+        test = svc["healthcheck"]["test"][1:]
         assert test[:3] == ["python", "-m", "kvpop.healthcheck"], name
         assert test[test.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}", name
         assert test[test.index("--http") + 1] == \
@@ -107,11 +131,13 @@ def test_health_checks_timing_and_targets(compose):
         assert ("--plaintext" in test) == (name == "gateway"), name
 
 
-def test_commands_are_our_entry_points_and_start(compose, scripts):
+def test_commands_are_our_entry_points_and_start(ours, scripts):
     eps = {ep.name: ep for ep in entry_points(group="console_scripts")}
-    for name in OURS:
-        [cmd] = compose["services"][name]["command"]
-        assert cmd == f"kvpop-{name}" and cmd in scripts
+    for file, name, svc in ours:
+        [cmd] = svc["command"]
+        assert cmd == f"kvpop-{name}" and cmd in scripts, file
+        if file != "docker-compose.yml":
+            continue    # same entry points: started once below
         target = scripts[cmd]
         assert target == f"services.{name.replace('-', '_')}.__main__:main"
         # Installed (pip install -e) and resolving to a callable.
@@ -131,14 +157,14 @@ def _settings(name: str) -> set[str]:
         {f.metadata["env"] for f in dataclasses.fields(cls)}
 
 
-def test_every_setting_is_read_by_its_service_and_documented(compose):
+def test_every_setting_is_read_by_its_service_and_documented(ours):
     doc = (REPO / "docs" / "configuration.md").read_text()
-    for name in OURS:
+    for file, name, svc in ours:
         known = _settings(name)
-        for var in _env(compose["services"][name]):
+        for var in _env(svc):
             if var.startswith("OTEL_"):
                 continue
-            assert var in known, f"{name}: {var} is not a setting of kvpop-{name}"
+            assert var in known, f"{file}: {name}: {var} is not a setting of kvpop-{name}"
         for var in known:
             assert f"`{var}`" in doc, f"{var} missing from docs/configuration.md"
 
