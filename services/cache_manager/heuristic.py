@@ -21,6 +21,6 @@ class AttentionPerAge:
 def plan(seq: SequenceState, scores: np.ndarray, max_blocks: int) -> np.ndarray:
     """[L, Hkv, k] block numbers per row, most evictable (lowest score) first."""
     blocks = seq.arrays()["block"]
-    # Stable sort: ties go to the older block, as in h2o.
+    # Stable sort over arrival order (= block order): ties go to the older block, as in h2o.
     order = np.argsort(scores, axis=0, kind="stable")[:max_blocks]   # [k, L, Hkv]
     return np.ascontiguousarray(blocks[order].transpose(1, 2, 0))

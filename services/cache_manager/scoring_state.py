@@ -1,12 +1,13 @@
 """Per-sequence scoring state: every block of a sequence the cache-manager has
-seen features for, stacked so a policy scores all of them in one array op.
+seen features for, kept in growing arrays (amortised appends, no restacking
+per plan) so a policy scores all of them in one array op.
 
 State lives as long as the sequence (dropped on SequenceFinished or when the
 compute stream that sent it ends), so scores can depend on the whole history
 (delayed, stateful scoring)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,32 +22,51 @@ class BlockRecord:
     attention: np.ndarray   # [L, Hkv]
 
 
-@dataclass
+_FIELDS = ("key_mean", "value_norm", "attention")
+
+
 class SequenceState:
-    request_id: str
-    _records: dict[int, BlockRecord] = field(default_factory=dict)
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.n = 0
+        self._row: dict[int, int] = {}          # block number -> row
+        self._data: dict[str, np.ndarray] = {}
+
+    def _grow(self, rec: BlockRecord) -> None:
+        cap = max(16, 2 * self.n)
+        new = {"block": np.zeros(cap, np.int32), "position": np.zeros(cap, np.int64),
+               "age": np.zeros(cap, np.float32)}
+        for f in _FIELDS:
+            new[f] = np.zeros((cap, *getattr(rec, f).shape), np.float32)
+        for k, v in self._data.items():
+            new[k][: self.n] = v[: self.n]
+        self._data = new
 
     def add(self, rec: BlockRecord) -> None:
-        if self._records:
-            first = next(iter(self._records.values()))
-            if rec.attention.shape != first.attention.shape or rec.key_mean.shape != first.key_mean.shape:
-                raise ValueError(f"block {rec.block}: shapes differ from earlier blocks of {self.request_id}")
+        if self._data:
+            for f in _FIELDS:
+                if getattr(rec, f).shape != self._data[f].shape[1:]:
+                    raise ValueError(f"block {rec.block}: {f} shape {getattr(rec, f).shape} differs from "
+                                     f"earlier blocks of {self.request_id} {self._data[f].shape[1:]}")
         # A block sent again (re-scored later) replaces its earlier features.
-        self._records[rec.block] = rec
+        row = self._row.get(rec.block)
+        if row is None:
+            if not self._data or self.n == len(self._data["block"]):
+                self._grow(rec)
+            row = self._row[rec.block] = self.n
+            self.n += 1
+        d = self._data
+        d["block"][row], d["position"][row], d["age"][row] = rec.block, rec.position, rec.age
+        for f in _FIELDS:
+            d[f][row] = getattr(rec, f)
 
     def __len__(self) -> int:
-        return len(self._records)
+        return self.n
 
     def arrays(self) -> dict[str, np.ndarray]:
-        recs = sorted(self._records.values(), key=lambda r: r.block)
-        return {
-            "block": np.array([r.block for r in recs], dtype=np.int32),
-            "position": np.array([r.position for r in recs], dtype=np.int64),
-            "age": np.array([r.age for r in recs], dtype=np.float32),
-            "key_mean": np.stack([r.key_mean for r in recs]),      # [n, L, Hkv, d]
-            "value_norm": np.stack([r.value_norm for r in recs]),  # [n, L, Hkv]
-            "attention": np.stack([r.attention for r in recs]),    # [n, L, Hkv]
-        }
+        """Views of the first n rows, in arrival order: block [n], position [n], age [n],
+        key_mean [n, L, Hkv, d], value_norm [n, L, Hkv], attention [n, L, Hkv]."""
+        return {k: v[: self.n] for k, v in self._data.items()}
 
 
 class ScoringState:

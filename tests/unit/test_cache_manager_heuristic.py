@@ -45,7 +45,7 @@ def test_mismatched_shapes_are_refused():
     seq = ScoringState().get("r")
     seq.add(rec(1, np.zeros((L, H)), 1))
     bad = rec(2, np.zeros((L, H + 1)), 1)
-    with pytest.raises(ValueError, match="shapes differ"):
+    with pytest.raises(ValueError, match="differs from earlier blocks"):
         seq.add(bad)
 
 
@@ -56,3 +56,13 @@ def test_packed_arrays_round_trip_and_reject_bad_sizes():
     assert np.array_equal(from_int_array(to_int_array(i)), i)
     with pytest.raises(ValueError):
         from_float_array(pb.FloatArray(shape=[5], data=b"\0" * 8))
+
+
+def test_state_grows_and_resent_blocks_replace_their_row():
+    seq = ScoringState().get("r")
+    for b in range(40):
+        seq.add(rec(b, np.full((L, H), float(b)), age=1))
+    seq.add(rec(3, np.full((L, H), 100.0), age=1))
+    a = seq.arrays()
+    assert len(seq) == 40 and a["attention"].shape == (40, L, H) and a["key_mean"].shape == (40, L, H, D)
+    assert a["block"].tolist() == list(range(40)) and (a["attention"][3] == 100.0).all()
