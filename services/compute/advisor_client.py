@@ -46,6 +46,11 @@ class AdvisorClient:
         with self._lock:
             self._contexts[request_id] = carrier
 
+    def forget(self, request_id: str) -> None:
+        """Drop the request's trace context (the stream is over; idempotent)."""
+        with self._lock:
+            self._contexts.pop(request_id, None)
+
     def submit(self, features: list[BlockFeatures]) -> None:
         self.loop.call_soon_threadsafe(self._enqueue_features, features)
 

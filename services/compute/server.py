@@ -124,7 +124,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         span.set_attribute("kvpop.request_id", rid)
         span.set_attribute("kvpop.prompt_tokens", len(ids))
         span.set_attribute("kvpop.policy", eviction.policy)
-        if self.advisor is not None:
+        advised = self.advisor is not None and eviction.policy == "learned"
+        if advised:
             self.advisor.set_context(rid, telemetry.inject())
         stream = self.engine.generate(rid, ids, sampling, eviction)
         first = True
@@ -175,6 +176,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             timer.fail("cancelled")     # no-op when the stream finished
             # Closing the engine stream early aborts the sequence (pages freed next step).
             await stream.aclose()
+            if advised:
+                self.advisor.forget(rid)
 
 
 class ComputeApp:
