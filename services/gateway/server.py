@@ -126,6 +126,8 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Client cancelled or deadline hit: tell compute so it frees the sequence now.
             await call.aclose()
+        log.info("request %s: %s, %d tokens, policy %s, %.0f ms", creq.request_id, finish or "no final message",
+                 len(ids), creq.eviction.policy, 1000 * (time.perf_counter() - timer.start))
         if request.session_id and self.store is not None:
             turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
                         prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
