@@ -170,8 +170,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             timer.fail(code.name)
             await context.abort(code, str(e))
         except EngineError as e:
-            timer.fail("UNAVAILABLE")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            # Shutting down: try elsewhere (UNAVAILABLE); a failed step is this server's fault (INTERNAL).
+            code = grpc.StatusCode.UNAVAILABLE if "shut" in str(e) else grpc.StatusCode.INTERNAL
+            timer.fail(code.name)
+            await context.abort(code, str(e))
         finally:
             timer.fail("cancelled")     # no-op when the stream finished
             # Closing the engine stream early aborts the sequence (pages freed next step).
