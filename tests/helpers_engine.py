@@ -26,8 +26,11 @@ def one_thread():
 
 
 def tiny_model(seed: int = 0, vocab: int = VOCAB, layers: int = 2, heads: int = 4,
-               kv_heads: int = 2, head_dim: int = 16, max_pos: int = 2048) -> TransformerModel:
-    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=64, intermediate_size=96,
+               kv_heads: int = 2, head_dim: int = 16, max_pos: int = 2048,
+               sliding_window: int | None = None) -> TransformerModel:
+    """Llama, or Mistral when ``sliding_window`` is given."""
+    cfg = ModelConfig(architecture="mistral" if sliding_window else "llama", vocab_size=vocab,
+                      hidden_size=64, intermediate_size=96, sliding_window=sliding_window,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=max_pos, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)

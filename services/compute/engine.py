@@ -82,6 +82,8 @@ class LLMEngine:
         self.model, self.tokenizer = model.eval(), tokenizer
         mc = model.config
         self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        # Off CPU the RoPE tables cannot grow on demand without a sync per step.
+        model.rotary.reserve(self.max_model_len)
         if config.num_pages is not None:
             self.pool = KVPool(config.num_pages, config.block_size, mc.head_dim, model.dtype, model.device)
         else:

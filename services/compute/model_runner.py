@@ -4,7 +4,12 @@ many sequences, flattened into one varlen token list (nano-vllm style).
 The AttentionFn writes each new K/V into the sequence's pages (kv_append),
 then attends over resident pages only:
 - one-token rows (decode) go through ``paged_attention`` in one batched call,
-  and its ``block_mass`` feeds the per-block statistics of the policies;
+  and its ``block_mass`` feeds the per-block statistics of the policies; off
+  the CUDA kernels (CPU) the runner gathers pages itself with step-invariant
+  indices and masks built once per step, not once per layer, and a batch of
+  dense sequences uses the fused SDPA kernel (no probabilities needed);
+- Mistral's sliding window masks keys older than ``window`` positions, from
+  each slot's absolute position, at decode (torch path) and prefill;
 - prefill chunks attend over their resident pages + themselves with a causal
   mask from absolute slot positions (``block_index * bs + offset``); for
   evicting sequences the probabilities (chunk x resident, never the whole
@@ -35,6 +40,18 @@ class _Prefill:
     window: list = None
 
 
+@dataclass
+class _Decode:
+    rows: torch.Tensor      # [B] rows of the decode tokens in the flat batch
+    tables: torch.Tensor    # [L, B, Hkv, NB] int32 page tables, padded with page 0
+    stats: bool             # some sequence evicts: block mass is needed
+    kernel: bool            # ops.paged_attention (CUDA); else the torch path below
+    nblk: torch.Tensor = None
+    last_len: torch.Tensor = None
+    index: torch.Tensor = None     # tables as int64 (gather index)
+    visible: torch.Tensor = None   # [L, B, Hkv, 1, S] bool
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool):
         cfg = model.config
@@ -44,6 +61,8 @@ class ModelRunner:
         self.bs = pool.block_size
         self.scale = 1.0 / math.sqrt(self.d)
         self.device = model.device
+        self.window = cfg.sliding_window
+        self.fused = ops.backend_for(pool.k_pages) != "reference"   # CUDA kernels
 
     # ------------------------------------------------------------ pages
     def _grow(self, seq: Sequence, t: int) -> None:
@@ -93,15 +112,20 @@ class ModelRunner:
                           v.reshape(T * self.Hkv, self.d), write_pages[layer].reshape(-1), offsets)
             out = torch.empty_like(q)
             if decode:
-                rows, tables, nblk, last_len = dec
                 only_decode = not prefill   # then rows are exactly 0..T-1: skip the gather/scatter
-                o, mass = ops.paged_attention(q if only_decode else q[rows], self.pool.k_pages,
-                                              self.pool.v_pages, tables[layer], nblk, last_len, self.scale)
+                qd = q if only_decode else q[dec.rows]
+                if dec.kernel:
+                    o, mass = ops.paged_attention(qd, self.pool.k_pages, self.pool.v_pages,
+                                                  dec.tables[layer], dec.nblk, dec.last_len, self.scale)
+                    mass = mass.view(len(decode), self.Hkv, self.G, -1).mean(2) if dec.stats else None
+                else:
+                    o, mass = self._decode_attention(layer, qd, dec)
                 if only_decode:
                     out = o
                 else:
-                    out[rows] = o
-                dec_mass.append(mass.view(len(decode), self.Hkv, self.G, -1).mean(2))
+                    out[dec.rows] = o
+                if dec.stats:
+                    dec_mass.append(mass)
             for pf in prefill:
                 out[pf.start:pf.start + pf.length] = self._prefill_attention(layer, pf, q)
             return out
@@ -112,7 +136,7 @@ class ModelRunner:
         for seq, t in batch:
             seq.num_cached += t
         # Dense sequences never evict: their statistics would go unused.
-        if decode:
+        if dec_mass:
             mass = torch.stack(dec_mass)                                       # [L, B, Hkv, NBmax]
             obs = [(b, seq) for b, (seq, _) in enumerate(decode) if seq.eviction.budget_blocks is not None]
             if obs:
@@ -122,19 +146,58 @@ class ModelRunner:
                 pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
         return logits, sampled
 
-    def _decode_meta(self, decode):
+    def _decode_meta(self, decode) -> "_Decode | None":
         if not decode:
             return None
+        B, bs, dev = len(decode), self.bs, self.device
         nbmax = max(s.num_blocks for s, _ in decode)
-        tables = torch.zeros(self.L, len(decode), self.Hkv, nbmax, dtype=torch.int32, device=self.device)
+        stats = any(s.eviction.budget_blocks is not None for s, _ in decode)
+        # The new token is written before attention, so it counts too.
+        cur = [s.num_cached for s, _ in decode]
+        windowed = self.window is not None and max(cur) >= self.window
+        kernel = self.fused and not windowed   # the CUDA kernel has no window
+        tables = torch.zeros(self.L, B, self.Hkv, nbmax, dtype=torch.int32, device=dev)
+        bidx = None if kernel else torch.full((self.L, B, self.Hkv, nbmax), 1 << 40, dtype=torch.long, device=dev)
         for b, (seq, _) in enumerate(decode):
             tables[:, b, :, :seq.num_blocks] = seq.page_table
-        nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=self.device)
-        # The new token is written before attention, so it counts in the last block.
-        last_len = torch.tensor([(s.num_cached) % self.bs + 1 for s, _ in decode],
-                                dtype=torch.int32, device=self.device)
-        rows = torch.tensor([r for _, r in decode], device=self.device)
-        return rows, tables, nblk, last_len
+            if bidx is not None:
+                bidx[:, b, :, :seq.num_blocks] = seq.block_index
+        meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel)
+        if kernel:
+            meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)
+            meta.last_len = torch.tensor([c % bs + 1 for c in cur], dtype=torch.int32, device=dev)
+            return meta
+        # Torch path: what every layer needs is built here once. A slot is
+        # visible if its absolute position is at most the query's (padding
+        # columns and the unwritten tail of the last block are not) and, with
+        # a sliding window, within it.
+        meta.index = tables.long().flatten(1)                                  # [L, B*Hkv*NB]
+        slot = (bidx[..., None] * bs + torch.arange(bs, device=dev)).flatten(3)  # [L, B, Hkv, S]
+        q_pos = torch.tensor(cur, device=dev).view(1, B, 1, 1)
+        visible = slot <= q_pos
+        if self.window is not None:
+            visible &= slot > q_pos - self.window
+        meta.visible = visible.unsqueeze(3)                                    # [L, B, Hkv, 1, S]
+        return meta
+
+    def _decode_attention(self, layer: int, q: torch.Tensor, dec: "_Decode"):
+        """One query per sequence over its gathered pages; block mass only when
+        some sequence evicts."""
+        B, Hkv, G, d, bs = q.shape[0], self.Hkv, self.G, self.d, self.bs
+        idx = dec.index[layer]
+        NB = dec.tables.shape[3]
+        # index_select on the flat index: ~1.5x faster than advanced indexing on CPU.
+        k = self.pool.k_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
+        v = self.pool.v_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
+        qh = q.view(B, Hkv, G, d)     # the G query heads of a kv-head act as G queries
+        mask = dec.visible[layer]
+        if not dec.stats:
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=self.scale)
+            return o.reshape(B, self.Hq, d), None
+        logits = torch.matmul(qh.float(), k.float().transpose(-1, -2)) * self.scale
+        probs = torch.softmax(logits.masked_fill_(~mask, float("-inf")), -1)   # [B, Hkv, G, S]
+        o = torch.matmul(probs, v.float()).to(q.dtype).reshape(B, self.Hq, d)
+        return o, probs.view(B, Hkv, G, NB, bs).sum(-1).mean(2)
 
     def _prefill_attention(self, layer: int, pf: _Prefill, q: torch.Tensor) -> torch.Tensor:
         seq, t, G, d = pf.seq, pf.length, self.G, self.d
@@ -144,6 +207,8 @@ class ModelRunner:
         v = self.pool.v_pages[pages].reshape(self.Hkv, NB * self.bs, d)
         # Slots past the last written token have positions > every query: masked too.
         causal = pf.slot_pos[layer][:, None, None, :] <= pf.q_pos[None, None, :, None]
+        if self.window is not None:
+            causal &= pf.slot_pos[layer][:, None, None, :] > pf.q_pos[None, None, :, None] - self.window
         if seq.eviction.budget_blocks is None:
             # Dense: every row holds the same blocks and no statistics are
             # needed, so the fused kernel does it without materialising probs.
