@@ -52,6 +52,7 @@ class Router:
         self.static_address = static_address
         self.registry = registry
         self.inflight: Counter[str] = Counter()
+        self._open_streams: Counter[str] = Counter()   # by address
         self._channels: dict[str, tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]] = {}
         self._last_known: list[Replica] = []
         self._fresh_until = 0.0     # monotonic time until which _last_known is reused
@@ -91,18 +92,29 @@ class Router:
             log.warning("replica registry unavailable, routing over the %d last known replicas: %s",
                         len(self._last_known), e)
             self._fresh_until = time.monotonic() + self.outage_backoff_s
+            return self._last_known
+        await self._prune({r.address for r in self._last_known})
         return self._last_known
+
+    async def _prune(self, live: set[str]) -> None:
+        """Close channels to replicas that left the registry once no stream uses them."""
+        keep = live | {self.static_address} | set(self._open_streams)
+        for address in [a for a in self._channels if a not in keep]:
+            channel, _ = self._channels.pop(address)
+            await channel.close()
 
     @contextlib.contextmanager
     def track(self, target: Target) -> Iterator[None]:
         """Count a stream open on `target` while the block runs."""
         self.inflight[target.replica_id] += 1
+        self._open_streams[target.address] += 1
         try:
             yield
         finally:
-            self.inflight[target.replica_id] -= 1
-            if self.inflight[target.replica_id] <= 0:
-                del self.inflight[target.replica_id]
+            for counter, key in ((self.inflight, target.replica_id), (self._open_streams, target.address)):
+                counter[key] -= 1
+                if counter[key] <= 0:
+                    del counter[key]
 
     async def info(self, timeout: float = 5.0):
         """Info from the first replica that answers; the last error if none does."""
@@ -118,7 +130,8 @@ class Router:
                     raise
                 raise last from None
             try:
-                return await target.stub.Info(compute_pb2.InfoRequest(), timeout=timeout)
+                with self.track(target):
+                    return await target.stub.Info(compute_pb2.InfoRequest(), timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 if e.code() not in RETRYABLE:
                     raise

@@ -169,6 +169,8 @@ async def _scenario(redis, reps: Replicas) -> None:
 
     assert await gone - killed <= HEARTBEAT_S + 0.25
     assert (await router.pick(session_replica="r-b")).replica_id == "r-a"
+    # Its channel is closed once the registry no longer lists it.
+    assert reps.addresses["r-b"] not in router._channels and reps.addresses["r-a"] in router._channels
 
     # SIGTERM drains r-a: it leaves the registry at once (well before its
     # entry could expire), and its in-flight stream still finishes.
