@@ -123,7 +123,11 @@ class GatewayConfig(ServerConfig):
     max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
                                     "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
     max_tokens_limit: int = setting("KVPOP_MAX_TOKENS_LIMIT", 4096,
-                                    "largest max_tokens a request may ask for (INVALID_ARGUMENT beyond)")
+                                    "largest max_tokens a request may ask for (RESOURCE_EXHAUSTED beyond)")
+    max_streams_per_client: int = setting("KVPOP_MAX_STREAMS_PER_CLIENT", 64,
+                                          "most Generate streams one client may have open at once, the client "
+                                          "being its x-client-id metadata, else its IP address "
+                                          "(RESOURCE_EXHAUSTED beyond; 0 = no limit)")
     default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
     max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
     session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
@@ -143,6 +147,8 @@ class GatewayConfig(ServerConfig):
             raise ConfigError("KVPOP_MAX_PROMPT_CHARS and KVPOP_SESSION_TTL_S must be >= 1")
         if self.heartbeat_s <= 0:
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0")
+        if self.max_streams_per_client < 0:
+            raise ConfigError("KVPOP_MAX_STREAMS_PER_CLIENT must be >= 0 (0 = no limit)")
 
 
     def budget(self) -> int | float | None:

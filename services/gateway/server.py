@@ -22,6 +22,8 @@ from kvpop.prewarm import PrewarmCounter
 from kvpop.redis_client import RedisUnavailable, connect
 from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
 from kvpop.store import SessionStore, Turn
+from services.gateway.decoding import Malformed, add_kvpop_servicer
+from services.gateway.limits import StreamLimiter, client_key
 from services.gateway.routing import Router
 from services.gateway.validation import Invalid, validate
 
@@ -43,6 +45,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         self.router = Router(cfg.compute_address, registry)
         self.prewarm = PrewarmCounter(self.redis) if self.redis is not None else None
         self.info: compute_pb2.InfoResponse | None = None
+        self.streams = StreamLimiter(cfg.max_streams_per_client)
         self._background: set[asyncio.Task] = set()
 
     async def fetch_info(self, timeout: float = 5.0) -> compute_pb2.InfoResponse:
@@ -75,17 +78,30 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         return self.info.model
 
     async def GetModelInfo(self, request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         info = generate_pb2.ModelInfo()
         info.CopyFrom(await self._model_info(context))
         info.default_policy = self.cfg.default_policy
         return info
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         info = await self._model_info(context)
         try:
             creq = validate(request, self.cfg, info)
+            client = client_key(context)
+            self.streams.acquire(client)
         except Invalid as e:
             await context.abort(e.code, e.message)
+        try:
+            async for r in self._generate(request, creq, context):
+                yield r
+        finally:
+            self.streams.release(client)
+
+    async def _generate(self, request, creq: compute_pb2.ComputeRequest, context: grpc.aio.ServicerContext):
         remaining = context.time_remaining()
         if self.prewarm is not None:
             self._spawn(self._count_prefixes(request.prompt))
@@ -203,6 +219,6 @@ async def build(cfg: GatewayConfig, service: GrpcService) -> GatewayApp:
     if store is None:
         log.warning("KVPOP_REDIS_URL is not set: sessions are not stored")
     servicer = GatewayServicer(cfg, store)
-    generate_pb2_grpc.add_KVpopServicer_to_server(servicer, service.server)
+    add_kvpop_servicer(servicer, service.server)
     service.add(generate_pb2.DESCRIPTOR.services_by_name["KVpop"].full_name)
     return GatewayApp(cfg, servicer, store)

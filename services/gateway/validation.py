@@ -3,8 +3,9 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| empty prompt; max_tokens < 1 or > KVPOP_MAX_TOKENS_LIMIT; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
-| prompt longer than KVPOP_MAX_PROMPT_CHARS; message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
+| empty prompt; max_tokens < 1; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
+| prompt longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
     s = compute_pb2.Sampling(max_tokens=cfg.default_max_tokens, temperature=0.0, top_p=1.0, top_k=0,
                              repetition_penalty=1.0, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
     if req.HasField("max_tokens"):
-        if not 1 <= req.max_tokens <= cfg.max_tokens_limit:
+        if req.max_tokens < 1:
             raise Invalid(f"max_tokens must be in [1, {cfg.max_tokens_limit}], got {req.max_tokens}")
+        if req.max_tokens > cfg.max_tokens_limit:
+            raise Invalid(f"max_tokens is {req.max_tokens}; the limit is {cfg.max_tokens_limit} "
+                          f"(KVPOP_MAX_TOKENS_LIMIT)", grpc.StatusCode.RESOURCE_EXHAUSTED)
         s.max_tokens = req.max_tokens
     if req.HasField("temperature"):
         _check_float("temperature", req.temperature, 0.0, 100.0, lo_open=False)
