@@ -127,13 +127,26 @@ def _died(proc: Proc) -> bool:
     return not proc.alive()
 
 
-def _serving(address: str) -> bool:
+def _probe_security(name: str, env: dict[str, str]):
+    """How to reach `name`'s port: the internal services with the TLS settings
+    they were started with, the public gateway port in plaintext."""
+    from kvpop.security import SecurityConfig, SecurityConfigError
+
+    if name == "gateway":
+        return SecurityConfig()
+    try:
+        return SecurityConfig.from_env(env)
+    except SecurityConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _serving(address: str, security=None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from kvpop.security import sync_channel
+    from kvpop.security import SecurityConfig, sync_channel
 
-    with sync_channel(address) as ch:
+    with sync_channel(address, security or SecurityConfig()) as ch:
         try:
             r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
         except grpc.RpcError:
@@ -222,13 +235,14 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
                            child_env) for n in SERVICES}
         stack.gateway = dial["gateway"]
         stack.save()
+        probe = {n: _probe_security(n, child_env) for n in SERVICES}
         waiting = list(SERVICES)
         while waiting:
             for name in list(waiting):
                 p = procs[name]
                 if _died(p):
                     raise LaunchError(f"{name} exited during start; log {p.log}:\n{log_tail(p)}")
-                if _serving(p.address):
+                if _serving(p.address, probe[name]):
                     say(f"{name:<14} SERVING on {p.address}")
                     waiting.remove(name)
             if waiting and time.monotonic() > deadline:
@@ -264,7 +278,8 @@ def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, 
     if name == "redis":
         _wait_redis(proc, int(proc.address.rsplit(":", 1)[1]), deadline)
         return proc
-    while not _serving(proc.address):
+    security = _probe_security(name, child_env)
+    while not _serving(proc.address, security):
         if _died(proc):
             raise LaunchError(f"{name} exited during restart; log {proc.log}:\n{log_tail(proc)}")
         if time.monotonic() > deadline:
