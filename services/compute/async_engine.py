@@ -9,6 +9,7 @@ and the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from typing import AsyncIterator
@@ -38,11 +39,15 @@ class AsyncEngine:
     # ------------------------------------------------------------ API
     async def generate(self, request_id: str, prompt_ids: list[int],
                        sampling: SamplingParams | None = None,
-                       eviction: EvictionParams | None = None) -> AsyncIterator[StepOutput]:
+                       eviction: EvictionParams | None = None,
+                       session_id: str | None = None) -> AsyncIterator[StepOutput]:
         """Stream one request. Closing the iterator early aborts it.
-        Raises ValueError for invalid parameters, EngineError if the engine failed."""
+        Raises ValueError for invalid parameters, EngineError if the engine failed.
+        ``session_id``: as LLMEngine.add_request."""
         if self._stop:
             raise EngineError("the engine is shut down")
+        if session_id is not None:
+            sampling = dataclasses.replace(sampling or SamplingParams(), session_id=session_id)
         seq = self.engine.make_sequence(request_id, prompt_ids, sampling, eviction)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -77,6 +82,24 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._step_lock:
             return self.engine.stats()
+
+    # Sessions and prefix cache: called from any thread (or asyncio.to_thread);
+    # they wait for the current step, never for a whole request.
+    def has_session(self, session_id: str) -> bool:
+        with self._step_lock:
+            return self.engine.has_session(session_id)
+
+    def drop_session(self, session_id: str) -> bool:
+        with self._step_lock:
+            return self.engine.drop_session(session_id)
+
+    def prewarm(self, prompts) -> int:
+        """LLMEngine.prewarm between steps; on an idle engine (at start, before
+        serving) it returns once the prefixes are cached."""
+        with self._step_lock:
+            n = self.engine.prewarm(prompts)
+        self._wake.set()   # prefills queued behind running requests run in the loop
+        return n
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()

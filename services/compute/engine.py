@@ -6,9 +6,12 @@ benchmarks and the compute gRPC server (through AsyncEngine) all use it.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
+import threading
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -20,8 +23,10 @@ from services.compute.eviction import (EvictionAdvisor, EvictionParams, blocks_l
 from services.compute.kv_pool import KVPool
 from services.compute.model_runner import ModelRunner
 from services.compute.policies import LEARNED, get_policy
+from services.compute.prefix_cache import PrefixCache
 from services.compute.sampler import SamplingParams, make_generator, sample
 from services.compute.scheduler import Scheduler
+from services.compute.session_cache import SessionCache
 from services.compute.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -44,6 +49,8 @@ class EngineConfig:
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
     plan_slack_blocks: int = 2
     fallback_policy: str = "h2o"          # local ranking for "learned" when plans are late
+    prefix_cache_fraction: float = 0.1    # most of the pool the prefix cache may hold (0 = off)
+    session_ttl_s: float = 600.0          # a parked session idle this long is dropped
 
 
 @dataclass
@@ -54,6 +61,7 @@ class Usage:
     kv_blocks_evicted: int
     policy: str
     fallback_evictions: int
+    session_tokens: int = 0               # context continued from a parked session (0: started fresh)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,6 +103,19 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, mc.num_layers * mc.num_kv_heads, config.max_num_seqs,
                                    config.prefill_chunk, config.cleanup_threshold)
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set(mc.eos_token_ids)
+        rows = mc.num_layers * mc.num_kv_heads
+        self.prefix_cache = None
+        if config.prefix_cache_fraction > 0:
+            self.prefix_cache = PrefixCache(self.pool, config.block_size, rows,
+                                            int(config.prefix_cache_fraction * self.pool.capacity))
+            self.scheduler.holders.append(self.prefix_cache)
+        # Sessions are dropped before cached prefixes under pool pressure.
+        self.sessions = SessionCache(self.pool, config.session_ttl_s)
+        self.scheduler.holders.insert(0, self.sessions)
+        self._next_expiry = 0.0
+        self.scheduler.on_admit = self._on_admit
+        # step() and prewarm() may be called from different threads (server start).
+        self._lock = threading.RLock()
         self.seqs: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._ids = itertools.count()
@@ -134,14 +155,112 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams | None = None,
-                    eviction: EvictionParams | None = None) -> None:
+                    eviction: EvictionParams | None = None, session_id: str | None = None) -> None:
+        """``session_id`` (or ``sampling.session_id``): if that session is
+        parked here, the prompt is its next turn (appended after everything the
+        session holds, its last generated token included); else the request
+        starts the session. Either way its KV is parked when it finishes."""
+        if session_id is not None:
+            sampling = dataclasses.replace(sampling or SamplingParams(), session_id=session_id)
         self.add_sequence(self.make_sequence(request_id, prompt_token_ids, sampling, eviction))
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
-        self.scheduler.add(seq)
+        sid = seq.sampling.session_id
+        parked = self.sessions.claim(sid) if sid is not None and not seq.session_claim else None
+        if parked is not None:
+            context = parked.tokens + seq.prompt_ids
+            if len(context) + seq.sampling.max_tokens > self.max_model_len:
+                self.sessions.unclaim(sid)
+                raise ValueError(f"session {sid!r} holds {len(parked.tokens)} tokens; with this prompt "
+                                 f"({seq.num_prompt}) and max_tokens ({seq.sampling.max_tokens}) it exceeds "
+                                 f"the model's max length {self.max_model_len}")
+            # Tokens now, pages at admission (until then the session's pages stay counted as held).
+            seq.session_base, seq.session_claim = len(parked.tokens), True
+            seq.prompt_ids = context
+            seq.tokens = list(context)
+        try:
+            self.scheduler.add(seq)
+        except ValueError:
+            if seq.session_claim:
+                self.sessions.unclaim(sid)
+            raise
         self.seqs[seq.request_id] = seq
+
+    def has_session(self, session_id: str) -> bool:
+        """Whether a next turn of ``session_id`` would continue from parked KV here."""
+        with self._lock:
+            self.sessions.expire()
+            return session_id in self.sessions
+
+    def drop_session(self, session_id: str) -> bool:
+        """Free a parked session's pages now (False if absent or its next turn is queued)."""
+        with self._lock:
+            if session_id in self.sessions.claimed:
+                return False
+            return self.sessions.drop(session_id)
+
+    def _on_admit(self, seq: Sequence) -> None:
+        """A fresh sequence starts from the longest cached prefix of its prompt
+        (leaving at least one token to prefill, for its logits). A budgeted one
+        takes at most its budget of blocks, and only blocks with statistics."""
+        if seq.session_claim:
+            self._restore_session(seq)
+            return
+        cache = self.prefix_cache
+        if cache is None or seq.num_cached or seq.num_blocks:
+            return
+        limit = (seq.num_prompt - 1) // seq.block_size
+        budgeted = seq.eviction.budget_blocks is not None and not seq.prewarm
+        if budgeted:
+            limit = min(limit, seq.eviction.budget_blocks)
+        cache.attach(seq, cache.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=not seq.prewarm))
+
+    def _restore_session(self, seq: Sequence) -> None:
+        old = self.sessions.take(seq.sampling.session_id)
+        seq.session_claim = False
+        for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
+                     "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
+            setattr(seq, name, getattr(old, name))
+        if seq.eviction.budget_blocks is not None:
+            # A turn may bring a smaller budget than the parked KV holds (e.g. after
+            # a dense turn): back within it now, as its reservation assumes.
+            eviction_round(seq, self.pool)
+
+    def prewarm(self, prompts) -> int:
+        """Prefill prompt prefixes into the prefix cache: one prompt (token
+        ids) or a list of prompts (texts or token-id lists). Their full blocks
+        are cached with attention statistics; nothing is streamed. Call it
+        before serving: on an idle engine it runs to completion here,
+        otherwise the prefills run within the next steps. Returns how many
+        prompts were queued (those with at least one full block)."""
+        if self.prefix_cache is None:
+            return 0
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        seqs = []
+        with self._lock:
+            for p in prompts:
+                if isinstance(p, str):
+                    if self.tokenizer is None:
+                        raise ValueError("a text prompt needs a tokenizer")
+                    p = self.tokenizer.encode(p)
+                ids = list(p)[:self.max_model_len - 1]
+                n = len(ids) // self.config.block_size * self.config.block_size
+                if n == 0:
+                    continue
+                # A budget above the prompt: the statistics path runs, nothing is evicted.
+                seq = self.make_sequence(f"\x00prewarm-{next(self._ids)}", ids[:n], SamplingParams(max_tokens=1),
+                                         EvictionParams("h2o", budget=n + 2 * self.config.block_size,
+                                                        sink=0, recent=0))
+                seq.prewarm = True
+                self.add_sequence(seq)
+                seqs.append(seq)
+            if all(s.prewarm for s in self.seqs.values()):
+                while any(not s.is_finished for s in seqs):
+                    self.step()
+        return len(seqs)
 
     def abort(self, request_id: str) -> None:
         """Pages are freed at the next step."""
@@ -153,7 +272,15 @@ class LLMEngine:
     # ------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> list[StepOutput]:
         outputs = []
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self.sessions.expire()
+            self._next_expiry = now + 1.0
         for rid in self._aborts:
             if rid in self.seqs:
                 outputs.append(self._finish(self.seqs[rid], "abort", None, "", None))
@@ -166,12 +293,17 @@ class LLMEngine:
         if not batch:
             return outputs
         logits, sampled = self.runner.run(batch)
+        for seq in sampled:
+            if seq.prewarm and len(seq.output_ids) == 0:
+                self.prefix_cache.insert(seq, seq.num_prompt // seq.block_size, self.scheduler.room(), True)
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(t for s, t in batch if s.num_cached <= s.num_prompt)
         if sampled:
             tokens, logprobs = sample(logits, sampled)
             for seq, tok, lp in zip(sampled, tokens, logprobs):
-                outputs.append(self._emit(seq, tok, lp))
+                out = self._emit(seq, tok, lp)
+                if not seq.prewarm:
+                    outputs.append(out)
         for seq, _ in batch:
             if not seq.is_finished and seq.eviction.budget_blocks is not None:
                 self._after_step(seq)
@@ -201,7 +333,7 @@ class LLMEngine:
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
         p = seq.sampling
-        self.counters["generated_tokens"] += 1
+        self.counters["generated_tokens"] += not seq.prewarm
         if tok in self.eos_ids and not p.ignore_eos:
             seq.append_token(tok)
             return self._finish(seq, "stop", tok, self._flush(seq), logprob)
@@ -243,11 +375,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------ finish
     def _finish(self, seq: Sequence, reason: str, tok, delta: str, logprob) -> StepOutput:
-        usage = Usage(seq.num_prompt, len(seq.output_ids), seq.page_table.numel(),
-                      seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions)
+        usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.page_table.numel(),
+                      seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base)
         seq.finish_reason = reason
-        self.scheduler.remove(seq)
+        sid = seq.sampling.session_id
+        if seq.session_claim:            # finished before admission: the session stays parked
+            self.sessions.unclaim(sid)
+        if sid is not None and reason in ("stop", "length") and not seq.prewarm:
+            self.scheduler.detach(seq)
+            self.sessions.park(sid, seq)
+        else:
+            self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
+        if seq.prewarm:
+            return StepOutput(seq.request_id, tok, "", None, True, reason, usage)
         if seq.eviction.policy == LEARNED:
             self._advise("release", seq.request_id)
         self.counters["finished_requests"] += 1
@@ -258,7 +399,8 @@ class LLMEngine:
 
     def fail_all(self, reason: str = "error") -> list[StepOutput]:
         """Finish every request (used when a step raised: the loop lives on)."""
-        return [self._finish(s, reason, None, "", None) for s in list(self.seqs.values())]
+        outs = [self._finish(s, reason, None, "", None) for s in list(self.seqs.values())]
+        return [o for o in outs if not o.request_id.startswith("\x00prewarm-")]
 
     # ------------------------------------------------------------ helpers
     def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -301,5 +443,7 @@ class LLMEngine:
             "steps": self.counters["steps"],
             "finished_requests": self.counters["finished_requests"],
             "budget_shrinks": self.scheduler.budget_shrinks,
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
+            **self.sessions.stats(),
             "advisor_errors": self.counters["advisor_errors"],
         }

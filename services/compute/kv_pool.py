@@ -4,6 +4,11 @@ A page holds one block (``block_size`` positions) of one (layer, kv-head) of one
 sequence. Keys are stored post-RoPE, so any freed page can be reused by any
 sequence at any position. Page 0 is never handed out: page tables pad with it
 and gathers from it are harmless.
+
+Pages are reference counted so that full blocks of a cached prefix can sit in
+several page tables at once (prefix cache, parked sessions): ``alloc`` hands a
+page out with one reference, ``share`` adds one, ``free`` drops one, and a page
+is back in the free list when its count reaches 0.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ class KVPool:
         self.v_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
         # A stack: recently freed pages are handed out first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self.refs = torch.zeros(num_pages, dtype=torch.int32)   # host side: bookkeeping only
         self.peak_used = 0
 
     @staticmethod
@@ -60,11 +66,23 @@ class KVPool:
             raise OutOfPages(f"need {n} pages, {len(self._free)} free")
         if n == 0:
             return torch.empty(0, dtype=torch.int32)
-        pages = self._free[-n:]
+        pages = torch.tensor(self._free[-n:], dtype=torch.int32)
         del self._free[-n:]
+        self.refs[pages.long()] = 1
         self.peak_used = max(self.peak_used, self.num_used)
-        return torch.tensor(pages, dtype=torch.int32)
+        return pages
+
+    def share(self, pages: torch.Tensor) -> None:
+        """One more reference to each (distinct, allocated) page."""
+        if pages.numel():
+            self.refs[pages.reshape(-1).long().cpu()] += 1
 
     def free(self, pages: torch.Tensor) -> None:
-        if pages.numel():
-            self._free.extend(pages.reshape(-1).tolist())
+        """Drop one reference to each (distinct) page; pages nobody holds any
+        more go back to the free list."""
+        if not pages.numel():
+            return
+        p = pages.reshape(-1).long().cpu()
+        left = self.refs[p] - 1
+        self.refs[p] = left
+        self._free.extend(p[left == 0].tolist())

@@ -23,6 +23,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    session_id: str | None = None   # park the KV at finish; continue a parked session
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -37,6 +38,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.session_id is not None and (not isinstance(self.session_id, str) or not self.session_id
+                                            or len(self.session_id) > 256):
+            raise ValueError("session_id must be a non-empty string of at most 256 characters")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a sequence of non-empty strings")
 

@@ -11,6 +11,11 @@ and nothing is ever preempted. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
 their floor (DESIGN protocol 6; a shrunk budget is not restored later); a
 request that still does not fit waits.
+
+Pages held outside running sequences (the prefix cache, parked sessions:
+``holders``) count against the pool too: admission keeps
+``reserved + held <= capacity``, and a request that would not fit first makes
+the holders drop their least recently used entries.
 """
 from __future__ import annotations
 
@@ -31,13 +36,18 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.budget_shrinks = 0
+        # Objects with .num_pages and .drop_lru() -> bool, dropped from first to last.
+        self.holders: list = []
+        self.on_admit = None   # callback(seq) right after a sequence is admitted
 
     def reservation(self, seq: Sequence) -> int:
         """Pages ``seq`` may hold from now on (see eviction_round for the bounds)."""
         st, bs = seq.eviction, seq.block_size
         dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / bs)
         if st.budget_blocks is None:
-            blocks = dense
+            # Blocks shared from the prefix cache are counted by the cache, which
+            # keeps them while a sequence holds them.
+            blocks = dense - seq.prefix_blocks
         elif seq.in_prefill:
             blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
         else:
@@ -46,6 +56,20 @@ class Scheduler:
 
     def reserved(self) -> int:
         return sum(self.reservation(s) for s in self.running)
+
+    def held(self) -> int:
+        return sum(h.num_pages for h in self.holders)
+
+    def room(self) -> int:
+        """Pages that may still be promised to someone (a holder, a new sequence)."""
+        return self.pool.capacity - self.reserved() - self.held()
+
+    def make_room(self, pages: int) -> bool:
+        """Drop holders' LRU entries until ``pages`` fit; False if they cannot."""
+        while self.room() < pages:
+            if not any(h.drop_lru() for h in self.holders):
+                return False
+        return True
 
     def add(self, seq: Sequence) -> None:
         if self.reservation(seq) > self.pool.capacity:
@@ -67,11 +91,13 @@ class Scheduler:
             need = self.reservation(seq)
             while self.reserved() + need > self.cleanup_threshold * cap and self._shrink_one():
                 pass
-            if self.reserved() + need > cap:
+            if self.reserved() + need > cap or not self.make_room(need):
                 return
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if self.on_admit is not None:
+                self.on_admit(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         self._admit()
@@ -88,10 +114,14 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Finish or abort: its pages go back to the pool now."""
+        self.detach(seq)
+        self.pool.free(seq.pages())
+        seq.page_table = seq.page_table[:, :, :0]
+
+    def detach(self, seq: Sequence) -> None:
+        """Leave the schedule, keeping the pages (a parked session)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.free(seq.pages())
-        seq.page_table = seq.page_table[:, :, :0]
         seq.status = SequenceStatus.FINISHED

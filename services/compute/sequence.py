@@ -63,6 +63,10 @@ class Sequence:
     decoder: object | None = None  # IncrementalDecoder
     text: str = ""                 # decoded output so far
     emitted: int = 0               # chars of ``text`` already streamed (stop-string holdback)
+    prefix_blocks: int = 0         # leading blocks taken from the prefix cache
+    prewarm: bool = False          # a prefix-cache fill: its output is never streamed
+    session_base: int = 0          # context tokens continued from a parked session
+    session_claim: bool = False    # a parked session waits for this sequence's admission
 
     def __post_init__(self):
         L, H, dev = self.num_layers, self.num_kv_heads, self.device

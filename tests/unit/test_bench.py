@@ -29,3 +29,14 @@ def test_bench_engine_small(tmp_path):
     # dense holds what HF's cache holds, up to rounding to whole blocks
     assert abs(kv["hf_dynamic_cache"]["vs_dense"] - 1) < 0.15
     assert (tmp_path / "engine.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(120)
+def test_bench_prefix_small(tmp_path):
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "prefix", "--threads", "1", "--requests", "4", "--repeats", "1", "--warmup", "0",
+               "--system-len", "160", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["prefix_hit_rate"] == 1.0 and r["first_tokens_equal"] == 1.0
+    assert r["prefix_hit_tokens"] == 4 * 160 and r["ttft_ratio"] > 1.0

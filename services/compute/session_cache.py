@@ -1,0 +1,93 @@
+"""Parked sessions: a finished turn's sequence kept with its resident KV.
+
+When a request with a ``session_id`` finishes (stop or length), its sequence
+is parked here instead of freed: its pages (already compressed to its budget),
+page tables and policy statistics. The next turn of the same session starts
+from it (positions continue), so a conversation of any length runs in the
+memory of its budget. A parked session is claimed when its next turn is
+added and restored when that turn is admitted; a claimed session is never
+dropped. Unclaimed ones go least-recently-used first under pool pressure and
+after ``ttl_s`` idle.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from services.compute.kv_pool import KVPool
+from services.compute.sequence import Sequence
+
+
+class SessionCache:
+    def __init__(self, pool: KVPool, ttl_s: float, clock=time.monotonic):
+        self.pool, self.ttl_s, self.clock = pool, ttl_s, clock
+        self.parked: OrderedDict[str, Sequence] = OrderedDict()   # LRU first
+        self.last_used: dict[str, float] = {}
+        self.claimed: set[str] = set()
+        self.parks = self.continued = self.dropped = self.expired = 0
+
+    @property
+    def num_pages(self) -> int:
+        return sum(s.page_table.numel() for s in self.parked.values())
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self.parked
+
+    def park(self, session_id: str, seq: Sequence) -> None:
+        """Keep ``seq`` (detached from the scheduler, pages still allocated)."""
+        if session_id in self.parked:   # two turns ran at once: the later one wins
+            self.drop(session_id)
+        self.parked[session_id] = seq
+        self.last_used[session_id] = self.clock()
+        self.parks += 1
+
+    def claim(self, session_id: str) -> Sequence | None:
+        seq = self.parked.get(session_id)
+        if seq is not None:
+            self.claimed.add(session_id)
+        return seq
+
+    def unclaim(self, session_id: str) -> None:
+        self.claimed.discard(session_id)
+        if session_id in self.parked:
+            self.last_used[session_id] = self.clock()
+            self.parked.move_to_end(session_id)
+
+    def take(self, session_id: str) -> Sequence | None:
+        """Hand a parked sequence over to its next turn (its pages move with it)."""
+        self.claimed.discard(session_id)
+        self.last_used.pop(session_id, None)
+        seq = self.parked.pop(session_id, None)
+        self.continued += seq is not None
+        return seq
+
+    def drop(self, session_id: str) -> bool:
+        seq = self.parked.pop(session_id, None)
+        self.last_used.pop(session_id, None)
+        self.claimed.discard(session_id)
+        if seq is None:
+            return False
+        self.pool.free(seq.pages())
+        seq.page_table = seq.page_table[:, :, :0]
+        return True
+
+    def drop_lru(self) -> bool:
+        """Pool pressure: drop the least recently used unclaimed session."""
+        for sid in self.parked:
+            if sid not in self.claimed:
+                self.dropped += 1
+                return self.drop(sid)
+        return False
+
+    def expire(self) -> int:
+        """Drop unclaimed sessions idle for longer than the TTL."""
+        now, n = self.clock(), 0
+        for sid in [s for s, t in self.last_used.items() if now - t > self.ttl_s and s not in self.claimed]:
+            n += self.drop(sid)
+        self.expired += n
+        return n
+
+    def stats(self) -> dict:
+        return {"sessions_parked": len(self.parked), "session_pages": self.num_pages,
+                "sessions_continued": self.continued, "sessions_dropped": self.dropped,
+                "sessions_expired": self.expired}
