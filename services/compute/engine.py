@@ -223,6 +223,8 @@ class LLMEngine:
         for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
                      "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
             setattr(seq, name, getattr(old, name))
+        if old.eviction.budget_blocks is None:   # its leading blocks are still the cached ones
+            seq.prefix_blocks = old.prefix_blocks
         if seq.eviction.budget_blocks is not None:
             # A turn may bring a smaller budget than the parked KV holds (e.g. after
             # a dense turn): back within it now, as its reservation assumes.

@@ -47,7 +47,7 @@ class Scheduler:
         if st.budget_blocks is None:
             # Blocks shared from the prefix cache are counted by the cache, which
             # keeps them while a sequence holds them.
-            blocks = dense - seq.prefix_blocks
+            blocks = dense - seq.shared_prefix_blocks
         elif seq.in_prefill:
             blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
         else:

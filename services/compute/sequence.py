@@ -98,6 +98,13 @@ class Sequence:
         return self.num_cached < self.num_prompt
 
     @property
+    def shared_prefix_blocks(self) -> int:
+        """Leading blocks still shared with the prefix cache, which pins them
+        while they are held (and counts their pages). A dense sequence never
+        evicts, so its first ``prefix_blocks`` columns are those blocks."""
+        return self.prefix_blocks if self.eviction.budget_blocks is None else 0
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

@@ -28,7 +28,9 @@ class SessionCache:
 
     @property
     def num_pages(self) -> int:
-        return sum(s.page_table.numel() for s in self.parked.values())
+        """Pages parked here, less those the prefix cache already counts."""
+        return sum(s.page_table.numel() - s.shared_prefix_blocks * s.num_layers * s.num_kv_heads
+                   for s in self.parked.values())
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self.parked
