@@ -311,13 +311,13 @@ def bench_prefix(args) -> dict:
            "prewarm_s": prewarm_s,
            "ttft_ms_with": statistics.median(ttft["with"]), "ttft_ms_without": statistics.median(ttft["without"]),
            "ttft_ratio": statistics.median(a / b for a, b in zip(ttft["without"], ttft["with"])),
-           "first_tokens_equal": same / len(runs), "prefix_hit_rate": st["prefix_hit_rate"],
-           "prefix_hit_tokens": st["prefix_hit_tokens"], "prefix_cache_pages": st["prefix_cache_pages"]}
+           "first_tokens_equal": same / len(runs), "prefix_cache_hit_rate": st["prefix_cache_hit_rate"],
+           "prefix_cache_hit_tokens": st["prefix_cache_hit_tokens"], "prefix_cache_pages": st["prefix_cache_pages"]}
     print(f"\nmodel {res['model']} ({args.dtype}, {args.device}): system prompt {len(system)} tokens "
           f"+ user turn ~{res['user_tokens_mean']:.0f} tokens, {res['requests']} requests per side")
     print(f"time to first token, median: without prefix cache {res['ttft_ms_without']:.1f} ms, "
           f"with {res['ttft_ms_with']:.1f} ms -> {res['ttft_ratio']:.1f}x faster (median of paired ratios)")
-    print(f"prefix hit rate {res['prefix_hit_rate']:.0%}, first tokens equal {res['first_tokens_equal']:.0%}, "
+    print(f"prefix hit rate {res['prefix_cache_hit_rate']:.0%}, first tokens equal {res['first_tokens_equal']:.0%}, "
           f"prewarm took {prewarm_s * 1e3:.0f} ms, cache holds {res['prefix_cache_pages']} pages")
     return res
 

@@ -153,6 +153,6 @@ class PrefixCache:
 
     def stats(self) -> dict:
         return {"prefix_cache_blocks": len(self.blocks), "prefix_cache_pages": self.num_pages,
-                "prefix_queries": self.queries, "prefix_hits": self.hits,
-                "prefix_hit_rate": self.hits / self.queries if self.queries else 0.0,
-                "prefix_hit_tokens": self.hit_tokens, "prefix_query_tokens": self.query_tokens}
+                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits,
+                "prefix_cache_hit_rate": self.hits / self.queries if self.queries else 0.0,
+                "prefix_cache_hit_tokens": self.hit_tokens, "prefix_cache_query_tokens": self.query_tokens}

@@ -38,5 +38,5 @@ def test_bench_prefix_small(tmp_path):
                "--system-len", "160", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert r["prefix_hit_rate"] == 1.0 and r["first_tokens_equal"] == 1.0
-    assert r["prefix_hit_tokens"] == 4 * 160 and r["ttft_ratio"] > 1.0
+    assert r["prefix_cache_hit_rate"] == 1.0 and r["first_tokens_equal"] == 1.0
+    assert r["prefix_cache_hit_tokens"] == 4 * 160 and r["ttft_ratio"] > 1.0

@@ -40,7 +40,7 @@ def test_repeated_system_prompt_hits_and_changes_nothing(model):
     before = engine.counters["prompt_tokens"]
     assert _serve(engine, prompts) == expected
     st = engine.stats()
-    assert st["prefix_queries"] == 100 and st["prefix_hit_rate"] >= 0.95
+    assert st["prefix_cache_queries"] == 100 and st["prefix_cache_hit_rate"] >= 0.95
     # Every request reused the 10 full blocks: only its own tokens were prefilled.
     assert engine.counters["prompt_tokens"] - before == sum(len(p) for p in prompts) - 100 * 40
     # Pages all back, except the cache's own, each held once (by the cache).
@@ -117,7 +117,7 @@ def test_async_engine_prewarm_texts_then_hits(model):
 
         asyncio.run(ask("q", "What is 2+2?"))
         st = aengine.stats()
-        assert st["prefix_hits"] == 1 and st["prefix_hit_tokens"] == st["prefix_cache_blocks"] * 4
+        assert st["prefix_cache_hits"] == 1 and st["prefix_cache_hit_tokens"] == st["prefix_cache_blocks"] * 4
         assert st["generated_tokens"] == SP.max_tokens and st["finished_requests"] == 1   # prewarm not counted
     finally:
         aengine.shutdown()
