@@ -3,7 +3,7 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| empty prompt; max_tokens < 1; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
 | request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
 | prompt longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
@@ -66,6 +66,8 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
         _check_float("repetition_penalty", req.repetition_penalty, 0.0, 100.0, lo_open=True)
         s.repetition_penalty = req.repetition_penalty
     if req.HasField("seed"):
+        if req.seed >= 2**63:
+            raise Invalid(f"seed must be in [0, 2^63 - 1], got {req.seed}")
         s.has_seed, s.seed = True, req.seed
     if len(req.stop) > cfg.max_stop_strings:
         raise Invalid(f"at most {cfg.max_stop_strings} stop strings, got {len(req.stop)}")
@@ -76,7 +78,8 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
 
     policy = req.policy or cfg.default_policy
     if policy not in info.policies:
-        raise Invalid(f"unknown policy {policy!r}; one of: {', '.join(info.policies)}")
+        shown = repr(policy[:40]) + ("..." if len(policy) > 40 else "")     # a status message stays small
+        raise Invalid(f"unknown policy {shown}; one of: {', '.join(info.policies)}")
     ev = compute_pb2.Eviction(policy=policy)
     which = req.WhichOneof("kv_budget")
     if which == "budget_tokens":
