@@ -9,7 +9,13 @@ import torch
 
 from kvpop.tasks import TRAIN_SEEDS, generate
 from kvpop.tasks.instance import Instance
-from kvpop.tasks.vocab import PAD_ID, VOCAB
+from kvpop.tasks.vocab import BOS_ID, EOS_ID, KEYS, LABELS, NUMBERS, PAD_ID, VOCAB, encode_words
+
+# Training-only auxiliary family: a random token string, then the same string
+# again. Every token of the repeat is a look-up, so the induction heads every
+# task relies on get a dense gradient from the first steps.
+COPY = "copy"
+_COPY_POOL = NUMBERS + KEYS + LABELS
 
 ASK, COMMIT = VOCAB["?"], VOCAB[":="]
 
@@ -24,6 +30,14 @@ def train_instance(family: str, seed: int, length: int, rng: random.Random) -> I
     return generate(family, seed, length)
 
 
+def copy_sequence(length: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """-> (prompt ids, solution ids) of about `length` tokens."""
+    n = max(4, min(len(_COPY_POOL), (length - 4) // 2))
+    seg = rng.sample(_COPY_POOL, n)
+    prompt = [BOS_ID] + encode_words(seg + [";"])
+    return prompt, encode_words(seg + ["."]) + [EOS_ID]
+
+
 def answered_in_prompt(ids: list[int]) -> list[int]:
     """Positions of answers already written in the prompt (`? c := 41`): also supervised."""
     return [i + 3 for i in range(len(ids) - 3) if ids[i] == ASK and ids[i + 2] == COMMIT and i + 3 < len(ids)]
@@ -34,8 +48,11 @@ def make_batch(families: list[str], length: int, batch_size: int, rng: random.Ra
     rows, fams = [], []
     for b in range(batch_size):
         fam = families[b % len(families)]
-        inst = train_instance(fam, rng.randrange(TRAIN_SEEDS.stop), length, rng)
-        p, s = inst.prompt_ids, inst.solution_ids
+        if fam == COPY:
+            p, s = copy_sequence(length, rng)
+        else:
+            inst = train_instance(fam, rng.randrange(TRAIN_SEEDS.stop), length, rng)
+            p, s = inst.prompt_ids, inst.solution_ids
         ids = p + s
         tgt = [-100] * len(ids)
         for i in range(len(p) - 1, len(ids) - 1):  # logits at i predict ids[i + 1]

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvpop.tasks import FAMILIES
 from kvpop.tasks.vocab import BOS_ID, EOS_ID, WORDS, save_tokenizer
-from kvpop.training.data import make_batch
+from kvpop.training.data import COPY, make_batch
 from kvpop.training.forward import hidden_states
 
 # Max training lengths per curriculum stage; a batch's length is drawn from [max/2, max].
@@ -44,11 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ff", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--advance-at", type=float, default=0.9, help="solved fraction (every family) that advances the curriculum")
     p.add_argument("--window", type=int, default=64, help="sequences per family the solved fraction is measured over")
     p.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds between checkpoints")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-aux", type=int, default=1, help="1: add the training-only copy sequences to every batch")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower steps, no compile wait)")
 
 
@@ -124,6 +125,7 @@ def run(args) -> int:
         log_path.unlink()
     rng = random.Random(args.seed * 7919 + state["step"])
     families = list(FAMILIES)
+    copy_rate = deque(maxlen=args.window)
     new_log = not log_path.exists()
     logf = log_path.open("a", newline="")
     writer = csv.writer(logf)
@@ -158,8 +160,12 @@ def run(args) -> int:
             length = rng.randint(64, hi)
         else:
             length = rng.randint(max(64, hi // 2), hi)
-        bs = max(len(families), args.tokens_per_batch // length)
-        x, y, sol, fams = make_batch(families, length, bs, rng)
+        # Half the batch is copy sequences until the induction heads work (copies
+        # solved), then a fifth keeps them sharp.
+        copies = 0 if not args.copy_aux else (1 if copy_rate and sum(copy_rate) / len(copy_rate) > 0.8 else 4)
+        batch_families = families + [COPY] * copies
+        bs = max(len(batch_families), args.tokens_per_batch // length)
+        x, y, sol, fams = make_batch(batch_families, length, bs, rng)
         x, y = x.to(dev), y.to(dev)
         h = forward(model, x)
         rows = y != -100
@@ -174,7 +180,7 @@ def run(args) -> int:
             wrong[rows] = logits.argmax(-1) != y[rows]
             ok = (~wrong).all(dim=1).tolist()
         for f, o in zip(fams, ok):
-            solved[f].append(bool(o))
+            (solved[f] if f in solved else copy_rate).append(bool(o))
         rate = {f: (sum(v) / len(v) if v else 0.0) for f, v in solved.items()}
         if (state["stage"] < len(STAGES) - 1 and all(len(v) == v.maxlen for v in solved.values())
                 and min(rate.values()) >= args.advance_at and length >= hi // 2):
@@ -187,7 +193,7 @@ def run(args) -> int:
         if step % 10 == 0:
             writer.writerow([step, round(time.time() - t0, 1), round(loss_ema, 5), lr, hi]
                             + [round(rate[f], 3) for f in families])
-            bar.set_postfix(loss=f"{loss_ema:.3f}", L=hi, **{f[:4]: f"{rate[f]:.2f}" for f in families})
+            bar.set_postfix(loss=f"{loss_ema:.3f}", L=hi, copy=f"{sum(copy_rate) / max(1, len(copy_rate)):.2f}", **{f[:4]: f"{rate[f]:.2f}" for f in families})
         bar.update(1)
         if time.time() - last_ck > args.checkpoint_every:
             save(); last_ck = time.time()

@@ -1,0 +1,45 @@
+"""`kvpop eval --quick` end to end as a real process on the shipped default
+model: well-formed results.json, markdown table and plot."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIELDS = {"policy", "compression", "task", "n", "accuracy", "retention", "kl", "mean_generated_tokens"}
+
+
+@pytest.mark.slow
+def test_quick_eval_writes_well_formed_results(tmp_path):
+    policies = "dense,oracle,streaming,random,h2o,knorm,learned"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpop.cli", "eval", "--quick", "--policies", policies,
+         "--compression", "0.75,0.9375", "--out", str(tmp_path), "--threads", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert rows and all(FIELDS <= set(r) for r in rows)
+    families = {"registers", "arithmetic", "recall", "passkey"}
+    expected = {("dense", 0.0)} | {(p, c) for p in ("oracle", "streaming", "random", "h2o", "knorm")
+                                   for c in (0.75, 0.9375)}
+    if "skipping the 'learned' policy" not in proc.stdout:
+        expected |= {("learned", 0.75), ("learned", 0.9375)}
+    assert {(r["policy"], r["compression"]) for r in rows} == expected
+    for r in rows:
+        assert r["task"] in families | {"all"}
+        assert r["n"] == (4 if r["task"] == "all" else 1)
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["kl"] >= 0.0 and r["mean_generated_tokens"] >= 1
+        if r["policy"] == "dense":
+            assert r["kl"] == 0.0
+    dense = {r["task"]: r["accuracy"] for r in rows if r["policy"] == "dense"}
+    for r in rows:
+        if dense[r["task"]]:
+            assert r["retention"] == pytest.approx(r["accuracy"] / dense[r["task"]])
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("\n|") >= len(expected) + 1 and "| oracle | 93.75% |" in md
+    png = (tmp_path / "accuracy.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
