@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
     p.add_argument("--session", help="session id (stored in Redis)")
     p.add_argument("--request-id")
+    p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
+                   "(default: the gateway counts by IP address)")
     p.add_argument("--address", help="gateway HOST:PORT (default: from .kvpop/stack.json)")
     p.add_argument("--state-dir", type=Path, default=None, help="state folder of `kvpop up` (default .kvpop)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -80,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     first = None
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.KVpopStub(channel)
-        call = stub.Generate(req, timeout=args.timeout)
+        md = (("x-client-id", args.client_id),) if args.client_id else None
+        call = stub.Generate(req, timeout=args.timeout, metadata=md)
         try:
             for resp in call:
                 kind = resp.WhichOneof("kind")
