@@ -4,10 +4,8 @@ helpers_pki), on a freshly built placeholder model: the suite runs against the
 configuration a production deployment uses."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -17,52 +15,9 @@ from helpers_pki import make_pki
 from kvpop.launcher import Stack
 from kvpop.launcher_down import stop_stack
 from kvpop.paths import REPO_ROOT
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
-from kvpop.security import SecurityConfig, sync_channel
-
-BLOCK_SIZE = 8
-MAX_MODEL_LEN = 1024
-DEFAULT_MAX_TOKENS = 8      # fuzzed requests that leave max_tokens unset stay short
-TOKEN = "reliability-token"
-
-
-def tls_env(pki: Path, leaf: str, token: str | None = TOKEN) -> dict[str, str]:
-    env = {"KVPOP_TLS_CERT": str(pki / f"{leaf}.pem"), "KVPOP_TLS_KEY": str(pki / f"{leaf}.key"),
-           "KVPOP_TLS_CA": str(pki / "ca.pem")}
-    if token:
-        env["KVPOP_INTERNAL_TOKEN"] = token
-    return env
-
-
-def clean_env() -> dict[str, str]:
-    """The test process's environment without any KVPOP_/OTEL_ setting it may carry."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
-    env.update(OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(REPO_ROOT))
-    return env
-
-
-def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
-def collect(stream):
-    """(token ids, text, Finished or None) of a Generate stream."""
-    ids, text, final = [], [], None
-    for r in stream:
-        if r.HasField("chunk"):
-            assert final is None, "chunk after the final message"
-            ids.extend(r.chunk.token_ids)
-            text.append(r.chunk.text)
-        else:
-            final = r.finished
-    return ids, "".join(text), final
+from kvpop.pb import generate_pb2_grpc
+from .reliability_stack import (BLOCK_SIZE, DEFAULT_MAX_TOKENS, MAX_MODEL_LEN, SecureStack, clean_env,
+                               tls_env)
 
 
 @pytest.fixture(scope="session")
@@ -76,23 +31,6 @@ def placeholder_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> Path:
     return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-class SecureStack:
-    """The running stack plus what a test needs to reach and restart its parts."""
-
-    def __init__(self, stack: Stack, env: dict[str, str], pki: Path):
-        self.stack, self.env, self.pki = stack, env, pki
-        self.client_security = SecurityConfig.from_env(tls_env(pki, "client"))
-
-    def compute_info(self) -> compute_pb2.InfoResponse:
-        with sync_channel(self.stack.proc("compute").address, self.client_security) as ch:
-            return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=10)
-
-    def pool_idle(self) -> int:
-        """Pages in use by nothing but the prefix cache (which keeps its pages on purpose)."""
-        s = self.compute_info().stats
-        return s.pages_used - int(s.extra.get("prefix_cache_pages", 0))
 
 
 @pytest.fixture(scope="session")
@@ -125,8 +63,3 @@ def gateway_channel(secure_stack):
 @pytest.fixture(scope="session")
 def gateway(gateway_channel):
     return generate_pb2_grpc.KVpopStub(gateway_channel)
-
-
-def request(**kw) -> generate_pb2.GenerateRequest:
-    kw.setdefault("prompt", "The quick brown fox jumps over the lazy dog.")
-    return generate_pb2.GenerateRequest(**kw)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import BLOCK_SIZE, request, wait_until
+from .reliability_stack import BLOCK_SIZE, request, wait_until
 from kvpop.launcher import restart_service
 
 pytestmark = pytest.mark.slow

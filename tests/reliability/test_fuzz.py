@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import MAX_MODEL_LEN, collect, request, wait_until
+from .reliability_stack import MAX_MODEL_LEN, collect, request, wait_until
 from kvpop.pb import generate_pb2
 from kvpop.security import SecurityConfig, sync_channel
 

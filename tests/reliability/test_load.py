@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from conftest import collect, request, wait_until
+from .reliability_stack import collect, request, wait_until
 from kvpop.pb import generate_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 import pytest
 import redis
 
-from conftest import collect, request, wait_until
+from .reliability_stack import collect, request, wait_until
 from kvpop.launcher import restart_service
 from kvpop.launcher_down import stop_process
 from kvpop.store import session_key, turns_key
@@ -19,7 +19,7 @@ from kvpop.store import session_key, turns_key
 pytestmark = pytest.mark.slow
 
 SESSIONS = 8
-LONG = 300      # tokens of the turn that spans the restart
+LONG = 400      # tokens of the turn that spans the restart
 
 
 def _turn(gateway, sid: str, i: int, n: int, **kw):
@@ -77,6 +77,7 @@ def test_redis_restart_mid_run(secure_stack, gateway):
         t.join(180)
     assert not errors, errors
     ended_after_restart = sum(end > t_up for _, _, end in results.values())
+    assert all(end > t_down for _, _, end in results.values()), "a stream ended before Redis went down"
     for sid in sids:
         ids, final, _ = results[sid]
         assert final is not None and len(ids) == LONG == final.usage.completion_tokens, sid

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import clean_env, collect, request, tls_env, wait_until
+from .reliability_stack import clean_env, collect, request, tls_env, wait_until
 from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT
 from kvpop.pb import compute_pb2, compute_pb2_grpc
