@@ -89,6 +89,10 @@ class AsyncEngine:
         with self._step_lock:
             return self.engine.has_session(session_id)
 
+    def session_tokens(self, session_id: str) -> int:
+        with self._step_lock:
+            return self.engine.session_tokens(session_id)
+
     def drop_session(self, session_id: str) -> bool:
         with self._step_lock:
             return self.engine.drop_session(session_id)

@@ -190,9 +190,14 @@ class LLMEngine:
 
     def has_session(self, session_id: str) -> bool:
         """Whether a next turn of ``session_id`` would continue from parked KV here."""
+        return self.session_tokens(session_id) > 0
+
+    def session_tokens(self, session_id: str) -> int:
+        """Tokens a next turn of ``session_id`` would continue after (0: none parked)."""
         with self._lock:
             self.sessions.expire()
-            return session_id in self.sessions
+            seq = self.sessions.parked.get(session_id)
+            return 0 if seq is None else seq.num_tokens
 
     def drop_session(self, session_id: str) -> bool:
         """Free a parked session's pages now (False if absent or its next turn is queued)."""

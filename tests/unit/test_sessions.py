@@ -44,6 +44,7 @@ def test_dense_session_continues_exactly_and_grows(model):
         st = engine.stats()
         assert st["sessions_parked"] == 1
         assert st["session_pages"] == math.ceil((len(history) - 1) / 4) * ROWS == engine.pool.num_used
+        assert engine.session_tokens("s") == len(history)
     assert engine.stats()["sessions_continued"] == 3
     assert engine.drop_session("s") and not engine.has_session("s")
     assert engine.pool.num_used == 0
