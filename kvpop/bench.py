@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -63,7 +64,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = {"engine": bench_engine, "prefix": bench_prefix}[args.bench](args)
+    try:
+        _check(args)
+        results = {"engine": bench_engine, "prefix": bench_prefix}[args.bench](args)
+    except ValueError as e:   # a bad model folder, budget, length...: say so, no traceback
+        print(f"kvpop bench {args.bench}: error: {e}", file=sys.stderr)
+        return 2
     results["machine"] = machine()
     results["command"] = "kvpop bench " + args.bench
     if args.json:
@@ -74,6 +80,21 @@ def run(args) -> int:
         plot(results, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def _check(args) -> None:
+    """Refuse bad arguments before minutes of work, with a message."""
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"{args.model} is not a model folder (no config.json)")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    if args.bench == "engine":
+        if min(args.batch) < 1 or args.new_tokens < 2 or args.prompt_len < 1 or args.kv_prompt_len < 1:
+            raise ValueError("--batch and --prompt-len must be >= 1, --new-tokens >= 2 (decode needs a second token)")
+        if args.kv_budget <= 0:
+            raise ValueError("--kv-budget must be a fraction in (0, 1] or a number of tokens > 1")
+    elif args.requests < 1 or args.system_len < 1 or args.user_len < 1:
+        raise ValueError("--requests, --system-len and --user-len must be >= 1")
 
 
 def machine() -> dict:

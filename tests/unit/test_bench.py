@@ -40,3 +40,14 @@ def test_bench_prefix_small(tmp_path):
     r = json.loads(out.read_text())
     assert r["prefix_cache_hit_rate"] == 1.0 and r["first_tokens_equal"] == 1.0
     assert r["prefix_cache_hit_tokens"] == 4 * 160 and r["ttft_ratio"] > 1.0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["engine", "--model", "/nonexistent"], "not a model folder"),
+    (["engine", "--kv-budget", "0", "--skip-hf"], "--kv-budget"),
+    (["engine", "--new-tokens", "1", "--skip-hf"], "--new-tokens"),
+    (["prefix", "--requests", "0"], "--requests"),
+])
+def test_bench_bad_arguments_are_refused_with_a_message(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
