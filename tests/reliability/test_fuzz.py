@@ -106,6 +106,37 @@ def requests(draw, policies: list[str]) -> tuple[generate_pb2.GenerateRequest, s
     return req, fuzzed
 
 
+# Each rule just outside and just inside its range, one field at a time; the
+# oracle below says which must be refused.
+_F32_OVER_100 = 100.00001        # the next float32 above 100 (and 1.0000001 above 1)
+EDGES = [(dict(f), name) for f, name in [
+    ({"prompt": ""}, "prompt"), ({"prompt": "p" * MAX_PROMPT_CHARS}, "prompt"),
+    ({"prompt": "p" * (MAX_PROMPT_CHARS + 1)}, "prompt"), ({"prompt": "é" * 600}, "prompt"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
+    ({"temperature": 100.0}, "temperature"), ({"temperature": _F32_OVER_100}, "temperature"),
+    ({"temperature": -1e-45}, "temperature"), ({"temperature": math.inf}, "temperature"),
+    ({"temperature": 1e30}, "temperature"),
+    ({"top_p": 1e-45}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.0000001}, "top_p"),
+    ({"top_p": math.nan}, "top_p"),
+    ({"repetition_penalty": 100.0}, "repetition_penalty"), ({"repetition_penalty": _F32_OVER_100}, "repetition_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": -math.inf}, "repetition_penalty"),
+    ({"top_k": -1}, "top_k"), ({"top_k": INT32[1]}, "top_k"),
+    ({"seed": 2**63 - 1}, "seed"), ({"seed": 2**63}, "seed"), ({"seed": 2**64 - 1}, "seed"),
+    ({"stop": ["s" * MAX_STOP_CHARS] * MAX_STOP}, "stop"), ({"stop": ["s"] * (MAX_STOP + 1)}, "stop"),
+    ({"stop": ["s" * (MAX_STOP_CHARS + 1)]}, "stop"), ({"stop": [""]}, "stop"), ({"stop": ["x" * 100_000]}, "stop"),
+    ({"policy": "nope"}, "policy"), ({"policy": "p" * 100_000}, "policy"), ({"policy": "DENSE"}, "policy"),
+    ({"budget_tokens": 0}, "budget_tokens"), ({"budget_tokens": MIN_BUDGET - 1}, "budget_tokens"),
+    ({"budget_tokens": MIN_BUDGET}, "budget_tokens"), ({"budget_tokens": MAX_MODEL_LEN}, "budget_tokens"),
+    ({"budget_tokens": MAX_MODEL_LEN + 1}, "budget_tokens"), ({"budget_tokens": INT32[0]}, "budget_tokens"),
+    ({"budget_fraction": 1.0}, "budget_fraction"), ({"budget_fraction": 1.0000001}, "budget_fraction"),
+    ({"budget_fraction": 0.0}, "budget_fraction"), ({"budget_fraction": 1e-45}, "budget_fraction"),
+    ({"budget_fraction": math.nan}, "budget_fraction"),
+    ({"session_id": "s" * 128}, "session_id"), ({"session_id": "s" * 129}, "session_id"),
+    ({"session_id": "a b"}, "session_id"), ({"session_id": "s" * 100_000}, "session_id"),
+    ({"request_id": "r\u00e9"}, "request_id"), ({"request_id": "\x00"}, "request_id"),
+]]
+
+
 # ---- the documented rules (docs/api.md), as an oracle ----------------------
 
 def expected(req: generate_pb2.GenerateRequest, policies: list[str]) -> set[grpc.StatusCode]:
@@ -248,11 +279,6 @@ def test_fuzz_request_fields(secure_stack, gateway, policies, alone):
     idle = secure_stack.pool_idle()
     seen: dict[str, int] = {}
 
-    @settings(max_examples=100, **SETTINGS)
-    @given(drawn=requests(policies))
-    @example(drawn=(request(policy="p" * 100_000), "policy"))
-    @example(drawn=(request(session_id="s" * 100_000), "session_id"))
-    @example(drawn=(request(stop=["x" * 100_000]), "stop"))
     def one(drawn):
         req, fuzzed = drawn
         outcome = run(gateway.Generate(req, timeout=60))
@@ -266,6 +292,10 @@ def test_fuzz_request_fields(secure_stack, gateway, policies, alone):
             limit = req.max_tokens if req.HasField("max_tokens") else 8
             assert outcome[2] <= limit
 
+    # Every rule's edges first (hypothesis runs explicit examples before drawing), then random requests.
+    for fields, fuzzed in EDGES:
+        one = example(drawn=(request(**fields), fuzzed))(one)
+    one = settings(max_examples=100 + len(EDGES), **SETTINGS)(given(drawn=requests(policies))(one))
     t0 = time.monotonic()
     with GoodAlongside(secure_stack.stack.gateway, alone) as good:
         one()
