@@ -31,6 +31,8 @@ class SequenceState:
         self.n = 0
         self._row: dict[int, int] = {}          # block number -> row
         self._data: dict[str, np.ndarray] = {}
+        self.revision = 0                       # bumped when a known block's features are replaced
+        self.cache: dict = {}                   # a policy's per-sequence memo (the estimator's hidden states)
 
     def _grow(self, rec: BlockRecord) -> None:
         cap = max(16, 2 * self.n)
@@ -55,6 +57,8 @@ class SequenceState:
                 self._grow(rec)
             row = self._row[rec.block] = self.n
             self.n += 1
+        else:
+            self.revision += 1
         d = self._data
         d["block"][row], d["position"][row], d["age"][row] = rec.block, rec.position, rec.age
         for f in _FIELDS:

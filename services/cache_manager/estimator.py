@@ -1,0 +1,241 @@
+"""The value-estimation network: predicted future importance (log-scale) of
+every known block of one (layer, kv-head) row of one sequence.
+
+Input per block = exactly what compute streams (key_mean, value_norm,
+attention received so far, position, age at submission) + layer and kv-head
+embeddings. A small pre-LN self-attention stack runs over the blocks of each
+row (rows batched), so a block is judged against the others (an old
+``a := 5`` whose key matches a later ``a := 7`` can learn to drop).
+
+The per-block features never change after submission, so the attention part
+is cached per sequence and refreshed every ``rescore_every`` new blocks; new
+blocks in between attend over everything known (exact for them, stale by at
+most ``rescore_every`` blocks for the others). The head turns each block's
+hidden state into a small per-block curve over time features (time since the
+block, its relative position), evaluated at every plan in O(n): scores keep
+moving as the context grows without re-running attention (delayed, stateful
+scoring at O(n) per plan; full O(n^2) only every ``rescore_every`` blocks).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+N_SCALARS = 7
+N_TIME = 3
+
+
+@dataclass
+class EstimatorConfig:
+    num_layers: int               # of the served model
+    num_kv_heads: int
+    head_dim: int
+    d_model: int = 32
+    n_heads: int = 2
+    depth: int = 1                # self-attention layers
+    rescore_every: int = 16       # new blocks before the attention part is recomputed for all
+    trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EstimatorConfig":
+        d = json.loads(text)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def scalar_features(position, age, attention, value_norm, key_mean, block) -> torch.Tensor:
+    """[..., N_SCALARS] from per-block arrays (any leading shape, broadcast):
+    position/age/block [...], attention/value_norm [...], key_mean [..., d]. Logs
+    keep the scales of short and long contexts, 1- and 16-token blocks, close."""
+    att = torch.log(attention.clamp_min(0) + 1e-4)
+    la = torch.log1p(age.clamp_min(0))
+    return torch.stack([
+        att / 4,
+        (att - la) / 4,                                    # mass per query since the block existed (h2o/age)
+        la / 8,
+        torch.log1p(position) / 8,
+        torch.log(value_norm.clamp_min(0) + 1e-4) / 4,
+        torch.log(torch.linalg.vector_norm(key_mean, dim=-1) + 1e-4) / 4,
+        torch.log1p(position) - torch.log1p(block),        # ~ log block size
+    ], -1)
+
+
+def time_features(position, age, now) -> torch.Tensor:
+    """[..., N_TIME] of each block at sequence length ``now`` (a scalar or broadcastable)."""
+    since = (now - position).clamp_min(1)
+    return torch.stack([torch.log1p(since) / 8, position / now.clamp_min(1),
+                        torch.log1p((since - age).clamp_min(0)) / 8], -1)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+
+    def forward(self, hq: torch.Tensor, hkv: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor:
+        """hq [R, m, D] attends over hkv [R, n, D] (kv_mask [R, n] True = a real block)."""
+        R, m, D = hq.shape
+        n, H = hkv.shape[1], self.heads
+        q = self.q(self.ln1(hq)).view(R, m, H, D // H).transpose(1, 2)
+        k, v = self.kv(self.ln1(hkv)).view(R, n, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        mask = None if kv_mask is None else kv_mask[:, None, None, :]
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        h = hq + self.o(a.transpose(1, 2).reshape(R, m, D))
+        return h + self.mlp(self.ln2(h))
+
+
+class ValueEstimator(nn.Module):
+    def __init__(self, cfg: EstimatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.d_model
+        self.key_in = nn.Sequential(nn.LayerNorm(cfg.head_dim), nn.Linear(cfg.head_dim, D))
+        self.scalar_in = nn.Sequential(nn.Linear(N_SCALARS, D), nn.SiLU(), nn.Linear(D, D))
+        self.layer_emb = nn.Embedding(cfg.num_layers, D)
+        self.head_emb = nn.Embedding(cfg.num_kv_heads, D)
+        self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
+        # Per block: a bias and one coefficient per time feature (a learned decay curve).
+        self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(), nn.Linear(D, 1 + N_TIME))
+
+    # ------------------------------------------------------------ pieces
+    def embed(self, key_mean, scalars, layer, head) -> torch.Tensor:
+        """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n, D]."""
+        rowe = self.layer_emb(layer) + self.head_emb(head)
+        return self.key_in(key_mean) + self.scalar_in(scalars) + rowe[:, None, :]
+
+    def curve(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out(hidden)                                             # [R, n, 1 + N_TIME]
+
+    @staticmethod
+    def apply_curve(curve: torch.Tensor, tfeat: torch.Tensor) -> torch.Tensor:
+        return curve[..., 0] + (curve[..., 1:] * tfeat).sum(-1)
+
+    # ------------------------------------------------------------ full pass
+    def forward(self, key_mean, scalars, tfeat, layer, head, mask=None) -> torch.Tensor:
+        """Training / full re-score. key_mean [R, n, d], scalars [R, n, S],
+        tfeat [R, n, T], layer/head [R], mask [R, n] -> scores [R, n]."""
+        h = self.embed(key_mean, scalars, layer, head)
+        for blk in self.blocks:
+            h = blk(h, h, mask)
+        return self.apply_curve(self.curve(h), tfeat)
+
+
+# ---------------------------------------------------------------- checkpoints
+def save(model: ValueEstimator, path: str | Path) -> Path:
+    """``estimator.safetensors`` (config in its metadata too) + ``estimator.json``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp), metadata={"kvpop_estimator": model.cfg.to_json()})
+    tmp.replace(path)   # atomic: a reloading server never reads half a file
+    path.with_suffix(".json").write_text(model.cfg.to_json() + "\n")
+    return path
+
+
+def load(path: str | Path) -> ValueEstimator:
+    """ValueError with a message for a missing or unreadable checkpoint."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no estimator checkpoint at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = (f.metadata() or {}).get("kvpop_estimator")
+            if meta is None:
+                raise ValueError(f"{path} has no kvpop_estimator config in its metadata")
+            cfg = EstimatorConfig.from_json(meta)
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        model = ValueEstimator(cfg)
+        model.load_state_dict(state)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a corrupt file is a config error, not a crash
+        raise ValueError(f"cannot load estimator {path}: {e}") from None
+    return model.eval()
+
+
+# ---------------------------------------------------------------- rows
+def row_ids(L: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = torch.arange(L).repeat_interleave(H)
+    head = torch.arange(H).repeat(L)
+    return layer, head
+
+
+def rows_from_arrays(a: dict, now: float | None = None):
+    """Scoring-state arrays (block [n], position [n], age [n], key_mean [n, L, H, d],
+    value_norm/attention [n, L, H]) -> (key_mean [R, n, d], scalars [R, n, S],
+    tfeat [R, n, T]) with R = L*H rows. ``now``: sequence length at scoring time
+    (default: the newest submission's position + age)."""
+    t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.float32)
+    km = t(a["key_mean"])
+    n, L, H, d = km.shape
+    km = km.permute(1, 2, 0, 3).reshape(L * H, n, d)
+    vn = t(a["value_norm"]).permute(1, 2, 0).reshape(L * H, n)
+    att = t(a["attention"]).permute(1, 2, 0).reshape(L * H, n)
+    pos, age, blk = t(a["position"]), t(a["age"]), t(a["block"])
+    if now is None:
+        now = float((pos + age).max()) if n else 0.0
+    sc = scalar_features(pos.expand(L * H, n), age.expand(L * H, n), att, vn, km, blk.expand(L * H, n))
+    tf = time_features(pos, age, torch.tensor(float(now))).expand(L * H, n, N_TIME)
+    return km, sc, tf
+
+
+class LearnedScorer:
+    """The cache-manager policy backed by the network (kvpop-style: one ``score``).
+    Keeps each sequence's cached hidden states on its SequenceState."""
+    name = "learned"
+
+    def __init__(self, model: ValueEstimator):
+        self.model = model.eval()
+        self.rescore_every = max(1, model.cfg.rescore_every)
+
+    def compatible(self, L: int, H: int, d: int) -> bool:
+        c = self.model.cfg
+        return (c.num_layers, c.num_kv_heads, c.head_dim) == (L, H, d)
+
+    @torch.no_grad()
+    def score(self, seq) -> np.ndarray:
+        """[n, L, Hkv] predicted log future importance; low = evict first."""
+        a = seq.arrays()
+        n, L, H, d = a["key_mean"].shape
+        if not self.compatible(L, H, d):
+            raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
+                             f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
+        km, sc, tf = rows_from_arrays(a)
+        layer, head = row_ids(L, H)
+        c = seq.cache
+        if c.get("model") is not self.model or c.get("revision") != seq.revision or c.get("n", 0) > n:
+            c.clear()
+        have = c.get("n", 0)
+        if not have or n - c["fresh"] >= self.rescore_every:
+            # Full pass: every block attends over every other.
+            hs = [self.model.embed(km, sc, layer, head)]
+            for blk in self.model.blocks:
+                hs.append(blk(hs[-1], hs[-1], None))
+            c.update(model=self.model, revision=seq.revision, n=n, fresh=n, hs=hs[:-1],
+                     curve=self.model.curve(hs[-1]))
+        elif n > have:
+            # New blocks only: at each layer they attend over every known block's
+            # cached input (the old ones' deeper inputs are stale until the next full pass).
+            hq = self.model.embed(km[:, have:], sc[:, have:], layer, head)
+            for i, blk in enumerate(self.model.blocks):
+                c["hs"][i] = torch.cat([c["hs"][i], hq], 1)
+                hq = blk(hq, c["hs"][i], None)
+            c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(hq)], 1))
+        s = self.model.apply_curve(c["curve"], tf)                         # [R, n]
+        return s.view(L, H, n).permute(2, 0, 1).numpy()

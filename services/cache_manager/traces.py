@@ -1,0 +1,165 @@
+"""Dense traces of the served model -> training examples for the estimator.
+
+One forward over prompt + reference solution (TRAIN seeds only) with an
+attention function that keeps one layer's probabilities at a time (computed
+in query chunks), turned into a running sum over queries C[h, t, p] =
+sum_{q < t} P[h, q, p]. From it, per block:
+
+- features as compute sends them when the block leaves the protected recent
+  window (same sink / recent / block size / prefill chunking as serving):
+  attention = C at the submission step summed over the block, averaged over
+  the G query heads (the engine's block mass), key_mean / value_norm of the
+  post-RoPE keys / values, position, age;
+- at sampled decision times t (the steps at which features arrive, when the
+  cache-manager re-plans), the target of every known block = the attention
+  mass it receives from the next ``horizon`` queries, averaged over those
+  queries per query head, then the max over the G heads of its kv-head (KVpop).
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TraceConfig:
+    block_size: int = 1
+    sink: int = 4
+    recent: int = 8
+    horizon: int = 128
+    prefill_chunk: int = 512
+    snapshots: int = 16          # decision times sampled per sequence
+    query_chunk: int = 256
+
+
+def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
+    """Sequence lengths at the end of each engine step: prompt chunks, then one token per step."""
+    ends = list(range(min(prefill_chunk, prompt_len), prompt_len, prefill_chunk)) + [prompt_len]
+    return sorted(set(ends)) + list(range(prompt_len + 1, total + 1))
+
+
+def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig) -> np.ndarray:
+    """[nblocks] step end at which each block is sent (-1: never / a sink block),
+    following compute's ``blocks_leaving_window``."""
+    bs, sink_blocks = cfg.block_size, math.ceil(cfg.sink / cfg.block_size)
+    t_sub = np.full(nblocks, -1, np.int64)
+    sent = sink_blocks
+    for n in ends:
+        upto = max(0, (n - cfg.recent) // bs) if cfg.recent > 0 else n // bs
+        upto = min(upto, nblocks)
+        if upto > sent:
+            t_sub[sent:upto] = n
+            sent = upto
+    return t_sub
+
+
+class _Recorder:
+    """AttentionFn for TransformerModel.forward that also hands each layer's
+    probabilities [Hq, T, T] (chunked over queries) and K/V to a callback."""
+
+    def __init__(self, on_layer, query_chunk: int):
+        self.on_layer, self.chunk = on_layer, query_chunk
+
+    def __call__(self, layer, q, k, v):
+        T, Hq, d = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        scale = 1.0 / math.sqrt(d)
+        kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)            # [Hkv, T, d]
+        probs = torch.empty(Hq, T, T)
+        out = torch.empty(T, Hq, d)
+        pos = torch.arange(T)
+        for s in range(0, T, self.chunk):
+            e = min(T, s + self.chunk)
+            qh = q[s:e].float().view(e - s, Hkv, G, d).permute(1, 2, 0, 3)         # [Hkv, G, c, d]
+            logits = torch.einsum("hgcd,htd->hgct", qh, kf) * scale
+            logits.masked_fill_(pos[None, None, None, :] > pos[s:e, None][None, None], float("-inf"))
+            p = torch.softmax(logits, -1)
+            out[s:e] = torch.einsum("hgct,htd->hgcd", p, vf).permute(2, 0, 1, 3).reshape(e - s, Hq, d)
+            probs[:, s:e] = p.reshape(Hq, e - s, T)
+        self.on_layer(layer, probs, k.float(), v.float())
+        return out.to(q.dtype)
+
+
+@torch.no_grad()
+def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.Random) -> dict | None:
+    """One training example (dict of numpy arrays) or None if no decision has a future."""
+    mc = model.config
+    L, Hq, Hkv, d = mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    G, bs, T = Hq // Hkv, cfg.block_size, len(ids)
+    nblocks = T // bs                                      # full blocks only
+    ends = step_ends(prompt_len, T, cfg.prefill_chunk)
+    t_sub = submission_times(ends, nblocks, cfg)
+    known = np.nonzero(t_sub >= 0)[0]
+    if len(known) < 2:
+        return None
+    # Decision times: when features arrive and the future is not empty; the
+    # prompt's chunk ends always (they decide what of the prompt survives).
+    times = sorted({int(t) for t in t_sub[known] if t < T})
+    chunk_ends = [t for t in times if t <= prompt_len]
+    rest = [t for t in times if t > prompt_len]
+    pick = chunk_ends + sorted(rng.sample(rest, min(len(rest), max(0, cfg.snapshots - len(chunk_ends)))))
+    if not pick:
+        return None
+    nk = [int((t_sub[known] <= t).sum()) for t in pick]
+    first = int(known[0])
+    att = np.zeros((len(known), L, Hkv), np.float32)
+    km = np.zeros((len(known), L, Hkv, d), np.float32)
+    vn = np.zeros((len(known), L, Hkv), np.float32)
+    targets = [np.zeros((L, Hkv, k), np.float32) for k in nk]
+    sub_rows = torch.as_tensor(t_sub[known])
+    blocks = torch.as_tensor(known)
+
+    def on_layer(layer, probs, k, v):
+        # Running sum over queries: C[:, t] = mass from queries < t (t = 0..T).
+        C = torch.zeros(Hq, T + 1, nblocks)
+        C[:, 1:] = probs[..., : nblocks * bs].reshape(Hq, T, nblocks, bs).sum(-1)
+        del probs
+        C.cumsum_(1)
+        # Features at submission: the engine averages block mass over the G heads.
+        a = C[:, sub_rows, blocks].view(Hkv, G, -1).mean(1)                  # [Hkv, nknown]
+        att[:, layer] = a.T.numpy()
+        kb = k[: nblocks * bs].view(nblocks, bs, Hkv, d).mean(1)[blocks]        # [nknown, Hkv, d]
+        vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[blocks]
+        km[:, layer], vn[:, layer] = kb.numpy(), vb.numpy()
+        for i, (t, k_) in enumerate(zip(pick, nk)):
+            e = min(T, t + cfg.horizon)
+            fut = (C[:, e, blocks[:k_]] - C[:, t, blocks[:k_]]) / (e - t)       # [Hq, k]
+            targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
+
+    rec = _Recorder(on_layer, cfg.query_chunk)
+    x = torch.as_tensor(ids, dtype=torch.long, device=model.device)
+    model(x, torch.arange(T, device=model.device), rec)
+    return {
+        "block": known.astype(np.int32), "position": (known * bs).astype(np.int64),
+        "age": (t_sub[known] - known * bs).astype(np.float32),
+        "key_mean": km, "value_norm": vn, "attention": att,
+        "times": np.asarray(pick, np.int64), "known": np.asarray(nk, np.int64),
+        "targets": targets, "block_size": bs, "first_block": first, "length": T,
+    }
+
+
+def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 256,
+                max_len: int = 1280, progress: bool = True) -> list[dict]:
+    """Traces of ``n`` task instances from the TRAIN seed range (every family in
+    turn), each with one (block size, recent) setting drawn from ``cfg_choices``."""
+    from tqdm import tqdm
+
+    from kvpop.tasks import FAMILIES
+    from kvpop.training.data import train_instance
+
+    rng = random.Random(f"estimator-traces:{seed}")
+    fams = list(FAMILIES)
+    out = []
+    for i in tqdm(range(n), desc="traces", disable=not progress, dynamic_ncols=True, mininterval=2):
+        inst = train_instance(fams[i % len(fams)], rng.randrange(1_000_000_000), rng.randint(min_len, max_len), rng)
+        ids = inst.prompt_ids + inst.solution_ids
+        ex = trace(model, ids, len(inst.prompt_ids), rng.choice(cfg_choices), rng)
+        if ex is not None:
+            ex["family"] = inst.family
+            out.append(ex)
+    return out

@@ -1,0 +1,269 @@
+"""`kvpop train-estimator`: dense traces of the served model on TRAIN-seed
+task instances -> the value-estimation network, trained with a rank-aware
+loss within each (layer, kv-head) row of each decision:
+
+- listwise: KL from the true future-attention distribution over the row's
+  blocks to softmax(scores) (what matters most is the top, which holds the mass);
+- pairwise logistic on sampled block pairs, weighted by their log-target gap
+  (orders the tail too).
+
+Held out: whole sequences. Metric: mass@k = future attention kept by the
+predicted top-k / kept by the true top-k, at k = 1/2, 1/4, 1/8, 1/16 of the
+known blocks (the eval's compressions), for the network and for the
+heuristics it must beat (h2o = attention so far, attention per age, recency).
+Writes the checkpoint + its JSON config, and a loss-curve PNG beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="models/default", help="served model folder (HF layout)")
+    p.add_argument("--out", default=None, help="checkpoint path (default: MODEL/estimator.safetensors)")
+    p.add_argument("--n", type=int, default=160, help="task instances to trace (TRAIN seeds)")
+    p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget")
+    p.add_argument("--block-sizes", default="1,16", help="block sizes to trace (one drawn per sequence)")
+    p.add_argument("--recent", default="8,32", help="recent windows to trace (one drawn per sequence)")
+    p.add_argument("--sink", type=int, default=4)
+    p.add_argument("--horizon", type=int, default=128, help="future queries that define a block's importance")
+    p.add_argument("--min-len", type=int, default=256, help="shortest traced prompt")
+    p.add_argument("--max-len", type=int, default=1280, help="longest traced prompt")
+    p.add_argument("--d-model", type=int, default=32)
+    p.add_argument("--depth", type=int, default=1, help="self-attention layers")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--traces", default=None, help="cache file: loaded if it exists, else written after tracing")
+
+
+# ------------------------------------------------------------------ data
+def decision(ex: dict, i: int):
+    """Inputs and target of decision i of a trace: (arrays of the known blocks, now, target [L, H, k])."""
+    k = int(ex["known"][i])
+    a = {f: ex[f][:k] for f in ("block", "position", "age", "key_mean", "value_norm", "attention")}
+    return a, float(ex["times"][i]), ex["targets"][i]
+
+
+def as_rows(target: np.ndarray):
+    import torch
+    L, H, k = target.shape
+    return torch.as_tensor(target).reshape(L * H, k)
+
+
+def losses(scores, target, gen=None):
+    """scores, target [R, n] -> (listwise KL, pairwise logistic)."""
+    import torch
+    import torch.nn.functional as F
+
+    p = target.clamp_min(0) + 1e-9
+    p = p / p.sum(-1, keepdim=True)
+    kl = (p * (p.log() - F.log_softmax(scores, -1))).sum(-1).mean()
+    R, n = target.shape
+    P = min(8 * n, 2048)
+    i = torch.randint(n, (R, P), generator=gen)
+    j = torch.randint(n, (R, P), generator=gen)
+    ly = torch.log(target.clamp_min(0) + 1e-6)
+    d = ly.gather(1, i) - ly.gather(1, j)
+    w = d.abs().clamp(max=2.0)
+    ds = scores.gather(1, i) - scores.gather(1, j)
+    pair = (w * F.softplus(-torch.sign(d) * ds)).sum() / w.sum().clamp_min(1e-6)
+    return kl, pair
+
+
+def mass_at_k(pred: np.ndarray, target: np.ndarray) -> dict[float, float]:
+    """pred, target [R, n]: mean over rows of (true mass of the predicted top-k) /
+    (true mass of the true top-k), per keep fraction."""
+    out = {}
+    R, n = target.shape
+    best = -np.sort(-target, axis=1)
+    order = np.argsort(-pred, axis=1, kind="stable")
+    for f in KEEP_FRACTIONS:
+        k = max(1, int(round(f * n)))
+        got = np.take_along_axis(target, order[:, :k], 1).sum(1)
+        top = best[:, :k].sum(1)
+        out[f] = float(np.mean(np.where(top > 0, got / np.maximum(top, 1e-12), 1.0)))
+    return out
+
+
+def baselines(a: dict, now: float) -> dict[str, np.ndarray]:
+    """Heuristic scores [R, n] on the same rows (higher = keep)."""
+    n, L, H = a["attention"].shape
+    att = a["attention"].transpose(1, 2, 0).reshape(L * H, n)
+    age = a["age"][None, :]
+    return {"h2o": att, "attention_per_age": att / (age + 1.0),
+            "recency": np.broadcast_to(a["position"][None, :].astype(np.float32), (L * H, n))}
+
+
+def evaluate(model, data: list[dict]) -> dict:
+    import torch
+
+    from services.cache_manager.estimator import row_ids, rows_from_arrays
+
+    sums: dict[str, dict[float, float]] = {}
+    count, total_loss = 0, 0.0
+    model.eval()
+    with torch.no_grad():
+        for ex in data:
+            for i in range(len(ex["times"])):
+                a, now, tgt = decision(ex, i)
+                L, H = tgt.shape[:2]
+                km, sc, tf = rows_from_arrays(a, now)
+                layer, head = row_ids(L, H)
+                s = model(km, sc, tf, layer, head)
+                y = as_rows(tgt)
+                kl, pair = losses(s, y, torch.Generator().manual_seed(i))
+                total_loss += float(kl + pair)
+                preds = {"learned": s.numpy(), **baselines(a, now)}
+                for name, pr in preds.items():
+                    m = mass_at_k(pr, y.numpy())
+                    acc = sums.setdefault(name, {f: 0.0 for f in KEEP_FRACTIONS})
+                    for f in KEEP_FRACTIONS:
+                        acc[f] += m[f]
+                count += 1
+    model.train()
+    res = {name: {str(f): v / max(count, 1) for f, v in acc.items()} for name, acc in sums.items()}
+    for name in res:
+        res[name]["mean"] = float(np.mean([res[name][str(f)] for f in KEEP_FRACTIONS]))
+    return {"loss": total_loss / max(count, 1), "decisions": count, "mass_at_k": res}
+
+
+# ------------------------------------------------------------------ training
+def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
+          eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None):
+    """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None)."""
+    import torch
+    from tqdm import tqdm
+
+    from services.cache_manager.estimator import row_ids, rows_from_arrays
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    items = [(e, i) for e in range(len(train_data)) for i in range(len(train_data[e]["times"]))]
+    if not items:
+        raise ValueError("no training decisions (traces too short for the recent window?)")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    budget = minutes * 60.0
+    t0 = last_eval = time.monotonic()
+    history, ema, step = [], None, 0
+    bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
+               dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
+    model.train()
+    while True:
+        el = time.monotonic() - t0
+        if el >= budget or (max_steps is not None and step >= max_steps):
+            break
+        for g in opt.param_groups:   # cosine over the wall-clock budget
+            g["lr"] = lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, el / budget))))
+        e, i = rng.choice(items)
+        a, now, tgt = decision(train_data[e], i)
+        L, H = tgt.shape[:2]
+        km, sc, tf = rows_from_arrays(a, now)
+        layer, head = row_ids(L, H)
+        kl, pair = losses(model(km, sc, tf, layer, head), as_rows(tgt), gen)
+        loss = kl + pair
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        vl = vm = None
+        now_t = time.monotonic()
+        if val_data and now_t - last_eval >= eval_every_s:
+            ev = evaluate(model, val_data)
+            vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
+            last_eval = now_t
+            bar.set_postfix(step=step, loss=f"{ema:.3f}", val=f"{vl:.3f}", mass=f"{vm:.3f}")
+        elif step % 20 == 0:
+            bar.set_postfix(step=step, loss=f"{ema:.3f}")
+        history.append((step, ema, vl, vm))
+        bar.n = min(round(now_t - t0), round(budget))
+        bar.refresh() if step % 20 == 0 else None
+    bar.close()
+    return history
+
+
+def plot(history, baselines_mass: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a1.plot([h[0] for h in history], [h[1] for h in history], label="train (EMA)")
+    v = [(h[0], h[2]) for h in history if h[2] is not None]
+    if v:
+        a1.plot([x for x, _ in v], [y for _, y in v], "o-", label="held-out")
+    a1.set_xlabel("step"); a1.set_ylabel("listwise KL + pairwise"); a1.legend()
+    m = [(h[0], h[3]) for h in history if h[3] is not None]
+    if m:
+        a2.plot([x for x, _ in m], [y for _, y in m], "o-", label="learned")
+    for name, val in baselines_mass.items():
+        a2.axhline(val, ls="--", lw=1, label=name, color={"h2o": "C1", "attention_per_age": "C2"}.get(name, "C3"))
+    a2.set_xlabel("step"); a2.set_ylabel("held-out mass@k (mean)"); a2.legend(fontsize=7)
+    fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
+
+
+def run(args) -> int:
+    import torch
+
+    from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, save
+    from services.cache_manager.traces import TraceConfig, task_traces
+    from services.compute.loader import load_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model_dir = Path(args.model)
+    out = Path(args.out) if args.out else model_dir / "estimator.safetensors"
+    try:
+        bss = [int(x) for x in args.block_sizes.split(",") if x.strip()]
+        recents = [int(x) for x in args.recent.split(",") if x.strip()]
+    except ValueError:
+        print("--block-sizes and --recent take comma-separated integers")
+        return 2
+    if not bss or not recents or min(bss) < 1 or min(recents) < 0 or args.n < 2:
+        print("need block sizes >= 1, recent >= 0 and --n >= 2")
+        return 2
+    try:
+        lm = load_model(model_dir, dtype="float32")
+    except ValueError as e:
+        print(f"cannot load the model: {e}")
+        return 2
+    cache = Path(args.traces) if args.traces else None
+    if cache is not None and cache.exists():
+        data = torch.load(cache, weights_only=False)
+        print(f"loaded {len(data)} traces from {cache}")
+    else:
+        choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon)
+                   for b in bss for r in recents]
+        data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
+        if cache is not None:
+            torch.save(data, cache)
+    n_val = max(1, len(data) // 8)
+    train_data, val_data = data[:-n_val], data[-n_val:]
+    mc = lm.config
+    cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth)
+    net = ValueEstimator(cfg)
+    print(f"{len(train_data)} train / {len(val_data)} held-out sequences, "
+          f"{sum(len(e['times']) for e in train_data)} train decisions; "
+          f"estimator {sum(p.numel() for p in net.parameters())} parameters")
+    history = train(net, train_data, val_data, args.minutes, args.lr, args.seed)
+    ev = evaluate(net, val_data)
+    cfg.trained = {"model": str(model_dir), "traces": len(data), "steps": history[-1][0] if history else 0,
+                   "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
+                   "held_out": ev}
+    save(net, out)
+    png = out.with_name(out.stem + "_loss.png")
+    plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)
+    print(json.dumps(ev["mass_at_k"], indent=1))
+    print(f"wrote {out}, {out.with_suffix('.json')}, {png}")
+    return 0
