@@ -68,9 +68,10 @@ class SecureStack:
             return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=10)
 
     def pool_idle(self) -> int:
-        """Pages in use by nothing but the prefix cache (which keeps its pages on purpose)."""
+        """Pages in use other than those the prefix cache and parked sessions keep on purpose:
+        what running (or leaked) sequences hold."""
         s = self.compute_info().stats
-        return s.pages_used - int(s.extra.get("prefix_cache_pages", 0))
+        return s.pages_used - int(s.extra.get("prefix_cache_pages", 0)) - int(s.extra.get("session_pages", 0))
 
 
 def request(**kw) -> generate_pb2.GenerateRequest:
