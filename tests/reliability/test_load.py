@@ -94,7 +94,7 @@ def test_64_concurrent_streams_no_errors_no_leaked_pages(secure_stack):
     assert idle_after == idle, f"{idle_after - idle} pages leaked (in use before {idle}, after {idle_after})"
     print(f"\nload: {len(done)} streams ({STREAMS} concurrent, {CHANNELS} connections), "
           f"{sum(tokens)} tokens in {wall:.1f} s = {sum(tokens) / wall:.0f} tokens/s, "
-          f"peak running+waiting {peak['engine']}, peak pages used {peak['pages']}, pages in use (without prefix cache) before {idle} "
+          f"peak running+waiting {peak['engine']}, peak pages used {peak['pages']}, pages held by sequences before {idle} "
           f"after {idle_after} of {after.pages_total}, prefix-cache pages {after.extra.get('prefix_cache_pages', 0):.0f}")
     assert peak["engine"] >= 16, f"the streams never overlapped in the engine (peak {peak['engine']})"
     assert peak["pages"] > idle, "the load never held a page"
