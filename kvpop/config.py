@@ -69,6 +69,8 @@ class CacheManagerConfig(ServerConfig):
                                 "(0 = any free port, -1 = off)")
     max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 1024,
                                    "most block numbers per (layer, kv-head) in one eviction plan")
+    estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint ('' = models/default/"
+                             "estimator.safetensors, 'none' = heuristic); SIGHUP reloads it")
 
 
 @dataclass

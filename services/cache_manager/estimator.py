@@ -176,23 +176,34 @@ def row_ids(L: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
     return layer, head
 
 
-def rows_from_arrays(a: dict, now: float | None = None):
+def block_inputs(a: dict, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scoring-state arrays (block [n], position [n], age [n], key_mean [n, L, H, d],
-    value_norm/attention [n, L, H]) -> (key_mean [R, n, d], scalars [R, n, S],
-    tfeat [R, n, T]) with R = L*H rows. ``now``: sequence length at scoring time
-    (default: the newest submission's position + age)."""
-    t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.float32)
+    value_norm/attention [n, L, H]) of blocks ``start:`` -> key_mean [R, m, d] and
+    scalars [R, m, S], R = L*H rows (layer-major)."""
+    t = lambda x: torch.as_tensor(np.asarray(x[start:]), dtype=torch.float32)
     km = t(a["key_mean"])
-    n, L, H, d = km.shape
-    km = km.permute(1, 2, 0, 3).reshape(L * H, n, d)
-    vn = t(a["value_norm"]).permute(1, 2, 0).reshape(L * H, n)
-    att = t(a["attention"]).permute(1, 2, 0).reshape(L * H, n)
-    pos, age, blk = t(a["position"]), t(a["age"]), t(a["block"])
+    m, L, H, d = km.shape
+    km = km.permute(1, 2, 0, 3).reshape(L * H, m, d)
+    vn = t(a["value_norm"]).permute(1, 2, 0).reshape(L * H, m)
+    att = t(a["attention"]).permute(1, 2, 0).reshape(L * H, m)
+    pos, age, blk = (t(a[f]).expand(L * H, m) for f in ("position", "age", "block"))
+    return km, scalar_features(pos, age, att, vn, km, blk)
+
+
+def block_times(a: dict, now: float | None = None) -> torch.Tensor:
+    """[n, N_TIME] time features at sequence length ``now`` (default: the newest
+    submission's position + age, i.e. the length when the latest features were sent)."""
+    pos = torch.as_tensor(np.asarray(a["position"]), dtype=torch.float32)
+    age = torch.as_tensor(np.asarray(a["age"]), dtype=torch.float32)
     if now is None:
-        now = float((pos + age).max()) if n else 0.0
-    sc = scalar_features(pos.expand(L * H, n), age.expand(L * H, n), att, vn, km, blk.expand(L * H, n))
-    tf = time_features(pos, age, torch.tensor(float(now))).expand(L * H, n, N_TIME)
-    return km, sc, tf
+        now = float((pos + age).max()) if len(pos) else 0.0
+    return time_features(pos, age, torch.tensor(float(now)))
+
+
+def rows_from_arrays(a: dict, now: float | None = None):
+    """-> (key_mean [R, n, d], scalars [R, n, S], tfeat [R, n, T]) for a full pass."""
+    km, sc = block_inputs(a)
+    return km, sc, block_times(a, now).expand(km.shape[0], -1, -1)
 
 
 class LearnedScorer:
@@ -216,7 +227,6 @@ class LearnedScorer:
         if not self.compatible(L, H, d):
             raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
                              f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
-        km, sc, tf = rows_from_arrays(a)
         layer, head = row_ids(L, H)
         c = seq.cache
         if c.get("model") is not self.model or c.get("revision") != seq.revision or c.get("n", 0) > n:
@@ -224,6 +234,7 @@ class LearnedScorer:
         have = c.get("n", 0)
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
+            km, sc = block_inputs(a)
             hs = [self.model.embed(km, sc, layer, head)]
             for blk in self.model.blocks:
                 hs.append(blk(hs[-1], hs[-1], None))
@@ -232,10 +243,12 @@ class LearnedScorer:
         elif n > have:
             # New blocks only: at each layer they attend over every known block's
             # cached input (the old ones' deeper inputs are stale until the next full pass).
-            hq = self.model.embed(km[:, have:], sc[:, have:], layer, head)
+            km, sc = block_inputs(a, have)
+            hq = self.model.embed(km, sc, layer, head)
             for i, blk in enumerate(self.model.blocks):
                 c["hs"][i] = torch.cat([c["hs"][i], hq], 1)
                 hq = blk(hq, c["hs"][i], None)
             c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(hq)], 1))
+        tf = block_times(a)                                                  # [n, T], same for every row
         s = self.model.apply_curve(c["curve"], tf)                         # [R, n]
         return s.view(L, H, n).permute(2, 0, 1).numpy()

@@ -3,11 +3,18 @@
 Features batches update per-sequence scoring state; each batch is answered with
 an eviction plan for that sequence. A malformed message is logged and skipped:
 failing the stream would drop the plans of every other sequence on it.
+
+Blocks are ranked by the value-estimation network loaded at start from
+``KVPOP_ESTIMATOR`` (default: ``models/default/estimator.safetensors``), or by
+the h2o attention-per-age heuristic when there is no usable checkpoint.
+SIGHUP reloads the checkpoint without a restart (new plans use it at once;
+a broken file keeps the current policy).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import AsyncIterator
 
 import grpc
@@ -19,8 +26,8 @@ from kvpop.grpc_server import GrpcService
 from kvpop.metrics import get_metrics
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
-from services.cache_manager.heuristic import AttentionPerAge, plan
-from services.cache_manager.scoring_state import BlockRecord, ScoringState
+from services.cache_manager.planner import Planner
+from services.cache_manager.scoring_state import BlockRecord
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("kvpop.cache_manager")
@@ -29,8 +36,8 @@ _tracer = telemetry.tracer("kvpop.cache_manager")
 class CacheManagerServicer(pb_grpc.CacheManagerServicer):
     def __init__(self, cfg: CacheManagerConfig):
         self.cfg = cfg
-        self.state = ScoringState()
-        self.policy = AttentionPerAge()
+        self.planner = Planner(cfg.estimator, cfg.max_plan_blocks)
+        self.state = self.planner.state
         self.plans_sent = 0
         self.closing = asyncio.Event()
 
@@ -54,13 +61,11 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
             closing.cancel()
 
     def _apply(self, batch: pb.FeaturesBatch) -> pb.AdvisorReply:
-        seq = self.state.get(batch.request_id)
-        for b in batch.blocks:
-            seq.add(BlockRecord(block=b.block, position=b.position, age=b.age,
-                                key_mean=from_float_array(b.key_mean),
-                                value_norm=from_float_array(b.value_norm),
-                                attention=from_float_array(b.attention)))
-        evict = plan(seq, self.policy.score(seq), self.cfg.max_plan_blocks)
+        records = [BlockRecord(block=b.block, position=b.position, age=b.age,
+                               key_mean=from_float_array(b.key_mean),
+                               value_norm=from_float_array(b.value_norm),
+                               attention=from_float_array(b.attention)) for b in batch.blocks]
+        evict = self.planner.apply(batch.request_id, records)
         self.plans_sent += 1
         return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=batch.request_id, evict=to_int_array(evict)))
 
@@ -110,6 +115,7 @@ class CacheManagerApp:
 
 async def build(cfg: CacheManagerConfig, service: GrpcService) -> CacheManagerApp:
     servicer = CacheManagerServicer(cfg)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, servicer.planner.reload)
     pb_grpc.add_CacheManagerServicer_to_server(servicer, service.server)
     service.add(pb.DESCRIPTOR.services_by_name["CacheManager"].full_name)
     return CacheManagerApp(servicer)

@@ -1,0 +1,111 @@
+"""What the cache-manager service and the in-process LocalAdvisor share:
+per-sequence scoring state, the policy that ranks blocks (the value-estimation
+network, or the attention-per-age heuristic when no usable checkpoint exists)
+and the plan built from its scores. One code path, so an evaluation through
+LocalAdvisor measures exactly what the service would answer."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from kvpop.paths import DEFAULT_MODEL_DIR
+from services.cache_manager.heuristic import AttentionPerAge, plan
+from services.cache_manager.scoring_state import BlockRecord, ScoringState
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "estimator.safetensors"
+
+
+def resolve_checkpoint(setting: str | Path | None) -> Path | None:
+    """'' / None -> the default model's checkpoint; 'none' -> no network (heuristic only)."""
+    if setting is None or str(setting) == "":
+        return Path(DEFAULT_MODEL_DIR) / CHECKPOINT_NAME
+    if str(setting).lower() == "none":
+        return None
+    p = Path(setting)
+    return p / CHECKPOINT_NAME if p.is_dir() else p
+
+
+class Planner:
+    def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 1024, model=None):
+        """checkpoint: path setting (see resolve_checkpoint); model: a ValueEstimator
+        to use directly (tests, training-time evaluation)."""
+        self.path = resolve_checkpoint(checkpoint) if model is None else None
+        self.max_plan_blocks = max_plan_blocks
+        self.state = ScoringState()
+        self.heuristic = AttentionPerAge()
+        self.scorer = None
+        self.loaded = ""          # what the network came from ('' = heuristic)
+        self.loads = 0
+        self._warned: set[tuple] = set()
+        if model is not None:
+            self._use(model, "in-memory model")
+        else:
+            self.reload()
+
+    def _use(self, model, source: str) -> None:
+        from services.cache_manager.estimator import LearnedScorer
+
+        self.scorer = LearnedScorer(model)
+        self.loaded = source
+        self.loads += 1
+
+    def reload(self) -> str:
+        """(Re)load the checkpoint. A missing or broken file keeps the current
+        policy (the heuristic at start) and says so; returns the log line."""
+        from services.cache_manager.estimator import load
+
+        if self.path is None:
+            msg = "no estimator configured: ranking blocks with the h2o attention-per-age heuristic"
+            log.info(msg)
+            return msg
+        try:
+            model = load(self.path)
+        except ValueError as e:
+            now = "the network from " + self.loaded if self.scorer else "the h2o attention-per-age heuristic"
+            msg = f"estimator not loaded ({e}); ranking blocks with {now}"
+            log.warning(msg)
+            return msg
+        digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]
+        self._use(model, f"{self.path} sha256:{digest}")
+        c = model.cfg
+        msg = (f"estimator loaded from {self.loaded} (L={c.num_layers} Hkv={c.num_kv_heads} d={c.head_dim}, "
+               f"d_model={c.d_model} depth={c.depth}, {sum(p.numel() for p in model.parameters())} parameters)")
+        log.info(msg)
+        return msg
+
+    @property
+    def policy_name(self) -> str:
+        return "learned" if self.scorer is not None else self.heuristic.name
+
+    def apply(self, request_id: str, records: list[BlockRecord]) -> np.ndarray:
+        """Fold in a batch of features and rank every known block of the
+        sequence: [L, Hkv, k] block numbers, most evictable first. ValueError
+        for features inconsistent with the sequence's earlier ones."""
+        for r in records:
+            km, vn, att = np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention)
+            if len(km) != 3 or vn != km[:2] or att != km[:2]:
+                raise ValueError(f"block {r.block}: key_mean {km}, value_norm {vn}, attention {att} do not "
+                                 f"fit [L, Hkv, d], [L, Hkv], [L, Hkv]")
+        seq = self.state.get(request_id)
+        for r in records:
+            seq.add(r)
+        scores = None
+        if self.scorer is not None:
+            shape = seq.arrays()["key_mean"].shape[1:]
+            if self.scorer.compatible(*shape):
+                scores = self.scorer.score(seq)
+            elif shape not in self._warned:
+                self._warned.add(shape)
+                log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
+                            "for such sequences", self.loaded, shape)
+        if scores is None:
+            scores = self.heuristic.score(seq)
+        return plan(seq, scores, self.max_plan_blocks)
+
+    def drop(self, request_id: str) -> None:
+        self.state.drop(request_id)
