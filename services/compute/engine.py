@@ -336,6 +336,11 @@ class LLMEngine:
             feats = blocks_leaving_window(seq)
             if feats:
                 self._advise("submit", feats)
+                # An in-process advisor (evaluation) has the plan already: apply it this round.
+                if getattr(self.advisor, "synchronous", False):
+                    for rid, plan in (self._advise("take_plans") or {}).items():
+                        if rid in self.seqs:
+                            self.seqs[rid].pending_plan = plan
         eviction_round(seq, self.pool)
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
