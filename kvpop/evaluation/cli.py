@@ -71,8 +71,13 @@ def run(args) -> int:
         n, lo, hi = 1, args.min_len or 448, args.max_len or 520
     instances = suite.test_set(n, families, args.seed, lo, hi)
 
+    advisor = None
+    if "learned" in policies:   # the cache-manager's own scoring, in process (docs/estimator.md)
+        from services.cache_manager.local_advisor import LocalAdvisor
+        advisor = LocalAdvisor(model_dir)
+        print(f"learned: {advisor.planner.loaded}")
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=4096, prefill_chunk=512))
+                                    max_model_len=4096, prefill_chunk=512), advisor=advisor)
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
     dense = harness.run([Setting("dense", 0.0)], instances, desc="dense")
