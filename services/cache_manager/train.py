@@ -176,7 +176,8 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
-        ema = float(loss) if ema is None else 0.98 * ema + 0.02 * float(loss)
+        lv = loss.item()
+        ema = lv if ema is None else 0.98 * ema + 0.02 * lv
         vl = vm = None
         now_t = time.monotonic()
         if val_data and now_t - last_eval >= eval_every_s:

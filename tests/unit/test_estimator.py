@@ -1,0 +1,175 @@
+"""The value-estimation network: shapes, permutation behaviour, incremental
+scoring against a full pass, checkpoints, and training on a synthetic set
+whose answer is known."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.cache_manager.estimator import (EstimatorConfig, LearnedScorer, ValueEstimator, load, row_ids,
+                                              rows_from_arrays, save)
+from services.cache_manager.scoring_state import BlockRecord, ScoringState
+
+L, H, D = 2, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny tensors: a second thread only adds contention on the shared CI cores.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _net(seed=0, **kw) -> ValueEstimator:
+    torch.manual_seed(seed)
+    return ValueEstimator(EstimatorConfig(L, H, D, d_model=16, **kw)).eval()
+
+
+def _arrays(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"block": np.arange(1, n + 1, dtype=np.int32), "position": np.arange(1, n + 1) * 4,
+            "age": rng.integers(8, 200, n).astype(np.float32),
+            "key_mean": rng.normal(size=(n, L, H, D)).astype(np.float32),
+            "value_norm": rng.random((n, L, H)).astype(np.float32) + 0.5,
+            "attention": rng.random((n, L, H)).astype(np.float32) * 5}
+
+
+def _records(a, lo, hi):
+    return [BlockRecord(int(a["block"][i]), int(a["position"][i]), int(a["age"][i]), a["key_mean"][i],
+                        a["value_norm"][i], a["attention"][i]) for i in range(lo, hi)]
+
+
+def test_shapes_and_blocks_are_a_set_per_row():
+    net = _net(depth=2)
+    a = _arrays(12)
+    km, sc, tf = rows_from_arrays(a)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        s = net(km, sc, tf, layer, head)
+        assert s.shape == (L * H, 12) and torch.isfinite(s).all()
+        perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+        sp = net(km[:, perm], sc[:, perm], tf[:, perm], layer, head)
+        # Permuting a row's blocks permutes its scores: no hidden order dependence.
+        assert torch.allclose(sp, s[:, perm], atol=1e-5)
+        # Rows are independent: one row alone scores as in the batch.
+        one = net(km[2:3], sc[2:3], tf[2:3], layer[2:3], head[2:3])
+        assert torch.allclose(one, s[2:3], atol=1e-5)
+        # ... but a block's score depends on the other blocks of its row (it is not a per-block MLP).
+        drop = net(km[:, 1:], sc[:, 1:], tf[:, 1:], layer, head)
+        assert not torch.allclose(drop, s[:, 1:], atol=1e-4)
+        # Layer / head identity matters.
+        assert not torch.allclose(s[0], net(km[0:1], sc[0:1], tf[0:1], layer[3:4], head[3:4])[0], atol=1e-4)
+
+
+def test_padding_mask_matches_unpadded_rows():
+    net = _net()
+    km, sc, tf = rows_from_arrays(_arrays(10))
+    layer, head = row_ids(L, H)
+    pad = lambda x: torch.cat([x, torch.randn(x.shape[0], 3, *x.shape[2:])], 1)
+    mask = torch.ones(L * H, 13, dtype=torch.bool)
+    mask[:, 10:] = False
+    with torch.no_grad():
+        full = net(km, sc, tf, layer, head)
+        padded = net(pad(km), pad(sc), pad(tf), layer, head, mask)[:, :10]
+    assert torch.allclose(full, padded, atol=1e-5)
+
+
+def test_scorer_incremental_matches_full_pass_for_new_blocks_and_refreshes():
+    net = _net()
+    net.cfg.rescore_every = 4
+    scorer = LearnedScorer(net)
+    a = _arrays(20)
+    seq = ScoringState().get("r")
+    layer, head = row_ids(L, H)
+    for r in _records(a, 0, 10):
+        seq.add(r)
+    scorer.score(seq)                           # full pass over 10
+    for r in _records(a, 10, 12):
+        seq.add(r)
+    inc = scorer.score(seq)                     # 2 new blocks, incremental
+    with torch.no_grad():
+        km, sc, tf = rows_from_arrays(seq.arrays())
+        full = net(km, sc, tf, layer, head).view(L, H, 12).permute(2, 0, 1).numpy()
+    # New blocks attend over everything known: exact (depth 1). Old ones are stale.
+    assert np.allclose(inc[10:], full[10:], atol=1e-5)
+    assert not np.allclose(inc[:10], full[:10], atol=1e-5)
+    for r in _records(a, 12, 14):
+        seq.add(r)
+    assert scorer.score(seq).shape == (14, L, H)   # 4 new since the full pass: refreshed
+    with torch.no_grad():
+        km, sc, tf = rows_from_arrays(seq.arrays())
+        full = net(km, sc, tf, layer, head).view(L, H, 14).permute(2, 0, 1).numpy()
+    assert np.allclose(scorer.score(seq), full, atol=1e-5)
+    # A re-sent block invalidates the cache: back to a full pass.
+    seq.add(_records(_arrays(20, seed=5), 3, 4)[0])
+    with torch.no_grad():
+        km, sc, tf = rows_from_arrays(seq.arrays())
+        full = net(km, sc, tf, layer, head).view(L, H, 14).permute(2, 0, 1).numpy()
+    assert np.allclose(scorer.score(seq), full, atol=1e-5)
+
+
+def test_scores_move_with_time_without_new_attention():
+    net = _net()
+    seq = ScoringState().get("r")
+    a = _arrays(8)
+    for r in _records(a, 0, 8):
+        seq.add(r)
+    s1 = LearnedScorer(net).score(seq)
+    a2 = _arrays(8)
+    # Same blocks, but the sequence has grown (a later submission with a larger position + age).
+    seq2 = ScoringState().get("r")
+    for r in _records(a2, 0, 8):
+        seq2.add(r)
+    seq2.add(BlockRecord(500, 2000, 10, a["key_mean"][0], a["value_norm"][0], a["attention"][0]))
+    s2 = LearnedScorer(net).score(seq2)
+    assert not np.allclose(s1, s2[:8], atol=1e-4)
+
+
+def test_checkpoint_round_trip_and_bad_files(tmp_path):
+    net = _net(depth=2)
+    p = save(net, tmp_path / "estimator.safetensors")
+    assert p.with_suffix(".json").exists()
+    back = load(p)
+    assert back.cfg.depth == 2 and back.cfg.num_layers == L
+    km, sc, tf = rows_from_arrays(_arrays(6))
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(net(km, sc, tf, layer, head), back(km, sc, tf, layer, head))
+    with pytest.raises(ValueError, match="no estimator checkpoint"):
+        load(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot load estimator"):
+        load(tmp_path / "junk.safetensors")
+
+
+def _synthetic(n_seq, rng):
+    """Traces whose true future mass is exp(3 * key_mean[..., 0]) of the block, for rows
+    where the h2o statistic (attention so far) is pure noise."""
+    out = []
+    for _ in range(n_seq):
+        n = int(rng.integers(16, 40))
+        a = _arrays(n, seed=int(rng.integers(1 << 30)))
+        tgt = np.exp(3 * a["key_mean"][..., 0]).transpose(1, 2, 0).astype(np.float32)   # [L, H, n]
+        out.append({**a, "times": np.array([n * 4 + 200]), "known": np.array([n]), "targets": [tgt / tgt.sum()]})
+    return out
+
+
+def test_training_learns_a_known_ranking():
+    from services.cache_manager.train import evaluate, train
+
+    rng = np.random.default_rng(0)
+    tr, va = _synthetic(48, rng), _synthetic(8, rng)
+    torch.manual_seed(0)
+    net = ValueEstimator(EstimatorConfig(L, H, D, d_model=16))
+    before = evaluate(net, va)
+    hist = train(net, tr, va, minutes=1.0, lr=3e-3, seed=0, eval_every_s=1e9, progress=False, max_steps=250)
+    after = evaluate(net, va)
+    assert hist[-1][1] < hist[0][1] * 0.7
+    assert after["loss"] < before["loss"] * 0.7
+    m = after["mass_at_k"]
+    # The network finds the key direction; attention-so-far (random here) cannot.
+    assert m["learned"]["mean"] > 0.85, m
+    assert m["learned"]["mean"] > m["h2o"]["mean"] + 0.2, m

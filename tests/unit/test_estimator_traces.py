@@ -1,0 +1,124 @@
+"""Training examples from dense traces: features equal what the real engine
+streams to the advisor, and targets equal a naive dense computation."""
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+
+from helpers_engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
+from services.cache_manager.traces import TraceConfig, step_ends, submission_times, trace
+from services.compute.engine import EvictionParams, SamplingParams
+
+
+class Recording:
+    """An advisor that only records what compute sends."""
+
+    def __init__(self):
+        self.features = []
+
+    def submit(self, features):
+        self.features.extend(features)
+
+    def take_plans(self):
+        return {}
+
+    def release(self, request_id):
+        pass
+
+
+def _naive(model, ids):
+    """Full probabilities [L, Hq, T, T] and post-RoPE K/V [L, T, Hkv, d], no chunking."""
+    probs, ks, vs = [], [], []
+
+    def attn(layer, q, k, v):
+        T, Hq, d = q.shape
+        G = Hq // k.shape[1]
+        kk = k.float().repeat_interleave(G, 1)                              # [T, Hq, d]
+        logits = torch.einsum("qhd,khd->hqk", q.float(), kk) / math.sqrt(d)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+        probs.append(p)
+        ks.append(k.float()), vs.append(v.float())
+        return torch.einsum("hqk,khd->qhd", p, v.float().repeat_interleave(G, 1)).to(q.dtype)
+
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), attn)
+    return torch.stack(probs), torch.stack(ks), torch.stack(vs), model.compute_logits(hidden)
+
+
+def test_targets_and_features_match_a_naive_dense_computation():
+    model = tiny_model(seed=3)
+    ids = random_prompt(45, seed=1)
+    P, cfg = 30, TraceConfig(block_size=4, sink=4, recent=8, horizon=6, prefill_chunk=16, snapshots=50,
+                             query_chunk=7)
+    ex = trace(model, ids, P, cfg, random.Random(0))
+    probs, ks, vs, logits = _naive(model, ids)
+    with torch.no_grad():
+        assert torch.allclose(logits, model.forward_dense(torch.tensor([ids]))[0], atol=1e-4)
+    L, Hq, T, _ = probs.shape
+    Hkv, G, bs = ks.shape[2], Hq // ks.shape[2], 4
+    # Step ends: chunks of 16 over the prompt, then one token per step.
+    assert step_ends(P, T, 16) == [16, 30] + list(range(31, 46))
+    sub = {}
+    for n in step_ends(P, T, 16):                   # compute's blocks_leaving_window, by hand
+        for b in range(1, (n - 8) // bs):
+            sub.setdefault(b, n)
+    assert ex["block"].tolist() == sorted(sub)
+    assert ex["age"].tolist() == [sub[b] - b * bs for b in sorted(sub)]
+    for i, b in enumerate(sorted(sub)):
+        cols = slice(b * bs, (b + 1) * bs)
+        for l in range(L):
+            for h in range(Hkv):
+                acc = np.mean([float(probs[l, h * G + g, : sub[b], cols].sum()) for g in range(G)])
+                assert abs(ex["attention"][i, l, h] - acc) < 1e-4
+                assert np.allclose(ex["key_mean"][i, l, h], ks[l, cols, h].mean(0).numpy(), atol=1e-5)
+                vn = torch.linalg.vector_norm(vs[l, cols, h], dim=-1).mean()
+                assert abs(ex["value_norm"][i, l, h] - float(vn)) < 1e-5
+    assert ex["times"].tolist()[:2] == [16, 30]      # prompt chunk ends always decide
+    for t, k, tgt in zip(ex["times"], ex["known"], ex["targets"]):
+        assert k == sum(1 for b in sub if sub[b] <= t) and tgt.shape == (L, Hkv, k)
+        e = min(T, t + cfg.horizon)
+        for j, b in enumerate(sorted(sub)[:k]):
+            cols = slice(b * bs, (b + 1) * bs)
+            for l in range(L):
+                for h in range(Hkv):
+                    want = max(float(probs[l, h * G + g, t:e, cols].sum()) / (e - t) for g in range(G))
+                    assert abs(tgt[l, h, j] - want) < 1e-5
+
+
+def test_trace_features_are_what_the_engine_streams():
+    model = tiny_model(seed=5)
+    rec = Recording()
+    eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16)
+    prompt = random_prompt(37, seed=2)
+    # budget = the whole request: nothing is evicted, so compute's statistics are the dense ones.
+    eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                    EvictionParams("learned", budget=1.0, sink=4, recent=8))
+    out = run_all(eng)["r"]
+    ids = prompt + [o.token_id for o in out][:-1]   # the last sampled token is never fed
+    ex = trace(model, ids, len(prompt), TraceConfig(block_size=4, sink=4, recent=8, prefill_chunk=16),
+               random.Random(0))
+    got = {f.block: f for f in rec.features}
+    assert len(got) == len(rec.features)               # each block sent once
+    # The engine skips the step that finishes the request; the trace's decisions stop before it too.
+    sent_before_end = [int(b) for b, a in zip(ex["block"], ex["age"]) if b * 4 + a < len(ids)]
+    assert sorted(got) == sent_before_end and len(got) >= 8
+    for i, b in enumerate(ex["block"][: len(got)]):
+        f = got[int(b)]
+        assert f.position == ex["position"][i] and f.age == ex["age"][i]
+        assert torch.allclose(f.attention, torch.from_numpy(ex["attention"][i]), atol=1e-4)
+        assert torch.allclose(f.key_mean, torch.from_numpy(ex["key_mean"][i]), atol=1e-5)
+        assert torch.allclose(f.value_norm, torch.from_numpy(ex["value_norm"][i]), atol=1e-5)
+
+
+def test_submission_times_follow_the_window():
+    cfg = TraceConfig(block_size=16, sink=4, recent=32, prefill_chunk=512)
+    ends = step_ends(600, 700, 512)
+    t = submission_times(ends, 700 // 16, cfg)
+    assert t[0] == -1                                 # the sink block is never sent
+    assert (t[1:(512 - 32) // 16] == 512).all()       # the first chunk's blocks, at its end
+    b = 40                                            # a decode-time block: sent when it leaves the window
+    assert t[b] == (b + 1) * 16 + 32
