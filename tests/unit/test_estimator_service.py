@@ -1,0 +1,205 @@
+"""The estimator in service: a real cache-manager process loads a checkpoint,
+answers with the network's plans, reloads on SIGHUP, keeps its policy on a
+broken file and falls back to the heuristic without one; the in-process
+LocalAdvisor gives the same plans and keeps the advisor protocol."""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from conftest import REPO, free_port
+from helpers_engine import one_thread, random_prompt, tiny_engine, tiny_model  # noqa: F401
+from kvpop.arrays import from_int_array, to_float_array
+from kvpop.pb import cache_manager_pb2 as pb
+from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
+from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, save
+from services.cache_manager.heuristic import AttentionPerAge, plan
+from services.cache_manager.local_advisor import LocalAdvisor
+from services.cache_manager.planner import Planner
+from services.cache_manager.scoring_state import BlockRecord, ScoringState
+from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.eviction import BlockFeatures
+
+L, H, D = 2, 2, 16
+
+
+def _net(seed: int) -> ValueEstimator:
+    torch.manual_seed(seed)
+    return ValueEstimator(EstimatorConfig(L, H, D, d_model=16)).eval()
+
+
+def _records(n: int, seed: int) -> list[BlockRecord]:
+    rng = np.random.default_rng(seed)
+    return [BlockRecord(b, b * 4, int(rng.integers(8, 90)), rng.normal(size=(L, H, D)).astype(np.float32),
+                        rng.random((L, H)).astype(np.float32) + 0.5, rng.random((L, H)).astype(np.float32))
+            for b in range(1, n + 1)]
+
+
+def _msg(rid: str, records: list[BlockRecord]) -> pb.AdvisorMessage:
+    return pb.AdvisorMessage(features=pb.FeaturesBatch(request_id=rid, blocks=[
+        pb.BlockFeatures(block=r.block, position=r.position, age=r.age, key_mean=to_float_array(r.key_mean),
+                         value_norm=to_float_array(r.value_norm), attention=to_float_array(r.attention))
+        for r in records]))
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class CacheManager:
+    """A real `python -m services.cache_manager` with one open Advise stream."""
+
+    def __init__(self, tmp_path, estimator: str):
+        self.port = free_port()
+        self.log = tmp_path / f"cm-{self.port}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOP_")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cache_manager", "--port", str(self.port), "--metrics-port", "-1",
+             "--estimator", estimator], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"), start_new_session=True)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        health = health_pb2_grpc.HealthStub(self.channel)
+
+        def serving():
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return False
+        _wait(serving, 60, "the cache-manager to serve")
+        self.outbox: queue.Queue = queue.Queue()
+        self.replies = pb_grpc.CacheManagerStub(self.channel).Advise(iter(self.outbox.get, None))
+
+    def plan(self, rid: str, records) -> np.ndarray:
+        self.outbox.put(_msg(rid, records))
+        reply = next(self.replies)
+        assert reply.plan.request_id == rid
+        return from_int_array(reply.plan.evict)
+
+    def log_count(self, text: str) -> int:
+        return self.log.read_text().count(text)
+
+    def close(self):
+        self.outbox.put(None)
+        self.channel.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def manager(tmp_path):
+    made = []
+
+    def start(estimator: str) -> CacheManager:
+        made.append(CacheManager(tmp_path, estimator))
+        return made[-1]
+    yield start
+    for m in made:
+        m.close()
+
+
+def test_service_loads_scores_and_reloads_on_sighup(tmp_path, manager):
+    ckpt = tmp_path / "estimator.safetensors"
+    save(_net(1), ckpt)
+    cm = manager(str(ckpt))
+    assert cm.log_count("estimator loaded from") == 1
+    recs = _records(30, seed=0)
+    got = cm.plan("a", recs)
+    assert got.shape == (L, H, 30)
+    assert np.array_equal(got, Planner(model=_net(1)).apply("a", recs))
+    # Another network at the same path, reloaded without a restart.
+    save(_net(2), ckpt)
+    os.killpg(cm.proc.pid, signal.SIGHUP)
+    _wait(lambda: cm.log_count("estimator loaded from") == 2, 20, "the reload")
+    recs_b = _records(30, seed=1)
+    got_b = cm.plan("b", recs_b)
+    assert np.array_equal(got_b, Planner(model=_net(2)).apply("b", recs_b))
+    assert not np.array_equal(got_b, Planner(model=_net(1)).apply("b", recs_b))
+    # A broken file keeps the loaded network, and says so.
+    ckpt.write_bytes(b"garbage")
+    os.killpg(cm.proc.pid, signal.SIGHUP)
+    _wait(lambda: cm.log_count("estimator not loaded") == 1, 20, "the failed reload's log line")
+    recs_c = _records(12, seed=2)
+    assert np.array_equal(cm.plan("c", recs_c), Planner(model=_net(2)).apply("c", recs_c))
+    assert cm.proc.poll() is None
+
+
+def test_service_without_checkpoint_uses_the_heuristic(tmp_path, manager):
+    cm = manager(str(tmp_path / "missing.safetensors"))
+    assert cm.log_count("estimator not loaded") == 1 and "heuristic" in cm.log.read_text()
+    recs = _records(20, seed=3)
+    seq = ScoringState().get("x")
+    for r in recs:
+        seq.add(r)
+    assert np.array_equal(cm.plan("x", recs), plan(seq, AttentionPerAge().score(seq), 1024))
+
+
+# ------------------------------------------------------------ local advisor
+def _features(rid: str, records) -> list[BlockFeatures]:
+    return [BlockFeatures(rid, r.block, r.position, torch.from_numpy(r.key_mean), torch.from_numpy(r.value_norm),
+                          torch.from_numpy(r.attention), r.age) for r in records]
+
+
+def test_local_advisor_protocol():
+    adv = LocalAdvisor(model=_net(1))
+    recs = _records(16, seed=4)
+    adv.submit(_features("r", recs[:10]))
+    plans = adv.take_plans()
+    assert set(plans) == {"r"} and adv.take_plans() == {}          # each plan handed over once
+    evict = plans["r"].evict
+    assert evict.dtype == torch.int32 and evict.shape == (L, H, 10)
+    assert all(sorted(evict[l, h].tolist()) == list(range(1, 11)) for l in range(L) for h in range(H))
+    adv.submit(_features("r", recs[10:]))
+    assert adv.take_plans()["r"].evict.shape == (L, H, 16)         # every known block, re-ranked
+    # Same code path as the service: the plan equals the Planner's.
+    other = LocalAdvisor(model=_net(1))
+    other.submit(_features("q", recs))
+    assert np.array_equal(other.take_plans()["q"].evict.numpy(), Planner(model=_net(1)).apply("q", recs))
+    adv.release("r")
+    assert "r" not in adv.planner.state.sequences
+    adv.submit(_features("r", recs[:3]))
+    assert adv.take_plans()["r"].evict.shape == (L, H, 3)          # a released sequence starts afresh
+
+
+def _run_learned(advisor, prompt, budget=32):
+    eng = tiny_engine(tiny_model(seed=7), advisor=advisor, block_size=4)
+    eng.add_request("r", prompt, SamplingParams(max_tokens=40, ignore_eos=True),
+                    EvictionParams("learned", budget=budget, sink=4, recent=8))
+    tokens, peak, usage = [], 0, None
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens.append(o.token_id)
+            usage = o.usage or usage
+        if "r" in eng.seqs:
+            peak = max(peak, eng.seqs["r"].num_blocks)
+    return tokens, peak, usage
+
+
+def test_engine_with_local_advisor_follows_plans_deterministically():
+    prompt = random_prompt(90, seed=3)
+    adv = LocalAdvisor(model=_net(1))
+    tokens, peak, usage = _run_learned(adv, prompt)
+    assert usage.policy == "learned" and usage.kv_blocks_evicted > 0
+    assert usage.fallback_evictions == 0                           # every eviction came from a plan
+    assert peak <= 32 // 4 and adv.plans_sent > 0
+    assert "r" not in adv.planner.state.sequences                  # released at finish
+    again, _, _ = _run_learned(LocalAdvisor(model=_net(1)), prompt)
+    assert again == tokens
