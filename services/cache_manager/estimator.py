@@ -83,12 +83,17 @@ class _Block(nn.Module):
         self.q, self.kv, self.o = nn.Linear(d, d), nn.Linear(d, 2 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
 
-    def forward(self, hq: torch.Tensor, hkv: torch.Tensor, kv_mask: torch.Tensor | None) -> torch.Tensor:
-        """hq [R, m, D] attends over hkv [R, n, D] (kv_mask [R, n] True = a real block)."""
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of blocks h [R, n, D] -> 2 x [R, heads, n, D/heads] (cacheable)."""
+        R, n, D = h.shape
+        k, v = self.kv(self.ln1(h)).view(R, n, 2, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, hq: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hq [R, m, D] attends over projected blocks k, v (kv_mask [R, n] True = a real block)."""
         R, m, D = hq.shape
-        n, H = hkv.shape[1], self.heads
-        q = self.q(self.ln1(hq)).view(R, m, H, D // H).transpose(1, 2)
-        k, v = self.kv(self.ln1(hkv)).view(R, n, 2, H, D // H).permute(2, 0, 3, 1, 4)
+        q = self.q(self.ln1(hq)).view(R, m, self.heads, D // self.heads).transpose(1, 2)
         mask = None if kv_mask is None else kv_mask[:, None, None, :]
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         h = hq + self.o(a.transpose(1, 2).reshape(R, m, D))
@@ -127,7 +132,7 @@ class ValueEstimator(nn.Module):
         tfeat [R, n, T], layer/head [R], mask [R, n] -> scores [R, n]."""
         h = self.embed(key_mean, scalars, layer, head)
         for blk in self.blocks:
-            h = blk(h, h, mask)
+            h = blk(h, *blk.project(h), mask)
         return self.apply_curve(self.curve(h), tfeat)
 
 
@@ -235,20 +240,21 @@ class LearnedScorer:
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
             km, sc = block_inputs(a)
-            hs = [self.model.embed(km, sc, layer, head)]
+            h, kvs = self.model.embed(km, sc, layer, head), []
             for blk in self.model.blocks:
-                hs.append(blk(hs[-1], hs[-1], None))
-            c.update(model=self.model, revision=seq.revision, n=n, fresh=n, hs=hs[:-1],
-                     curve=self.model.curve(hs[-1]))
+                kvs.append(blk.project(h))
+                h = blk(h, *kvs[-1])
+            c.update(model=self.model, revision=seq.revision, n=n, fresh=n, kv=kvs, curve=self.model.curve(h))
         elif n > have:
             # New blocks only: at each layer they attend over every known block's
-            # cached input (the old ones' deeper inputs are stale until the next full pass).
+            # cached keys/values (the old ones' deeper layers are stale until the next full pass).
             km, sc = block_inputs(a, have)
-            hq = self.model.embed(km, sc, layer, head)
+            h = self.model.embed(km, sc, layer, head)
             for i, blk in enumerate(self.model.blocks):
-                c["hs"][i] = torch.cat([c["hs"][i], hq], 1)
-                hq = blk(hq, c["hs"][i], None)
-            c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(hq)], 1))
+                k, v = blk.project(h)
+                c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))
+                h = blk(h, *c["kv"][i])
+            c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(h)], 1))
         tf = block_times(a)                                                  # [n, T], same for every row
         s = self.model.apply_curve(c["curve"], tf)                         # [R, n]
         return s.view(L, H, n).permute(2, 0, 1).numpy()
