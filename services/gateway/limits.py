@@ -8,15 +8,13 @@ the proxy's address and shares one allowance.
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import grpc
 
-from services.gateway.validation import Invalid
+from services.gateway.validation import ID_PATTERN, Invalid
 
 CLIENT_ID_KEY = "x-client-id"
-_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
 
 
 def peer_host(peer: str) -> str:
@@ -33,7 +31,7 @@ def client_key(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_KEY:
             value = value.decode(errors="replace") if isinstance(value, bytes) else value
-            if not _ID.match(value):
+            if not ID_PATTERN.fullmatch(value):
                 raise Invalid(f"{CLIENT_ID_KEY} metadata must be 1-128 characters of [A-Za-z0-9._:@/-], "
                               f"got {value[:40]!r}")
             return f"id:{value}"

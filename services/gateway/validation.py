@@ -19,7 +19,8 @@ from kvpop.config import GatewayConfig
 from kvpop.pb import compute_pb2, generate_pb2
 
 MAX_STOP_CHARS = 256
-_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+# Use with fullmatch: "^...$" with match() would let a trailing newline through.
+ID_PATTERN = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 
 class Invalid(Exception):
@@ -101,7 +102,7 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
 
     for name in ("session_id", "request_id"):
         value = getattr(req, name)
-        if value and not _ID.match(value):
+        if value and not ID_PATTERN.fullmatch(value):
             raise Invalid(f"{name} must be 1-128 characters of [A-Za-z0-9._:@/-], got {value[:40]!r}")
     return compute_pb2.ComputeRequest(request_id=req.request_id or uuid.uuid4().hex, prompt=req.prompt,
                                       sampling=s, eviction=ev, session_id=req.session_id)

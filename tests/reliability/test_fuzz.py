@@ -134,6 +134,7 @@ EDGES = [(dict(f), name) for f, name in [
     ({"budget_fraction": math.nan}, "budget_fraction"),
     ({"session_id": "s" * 128}, "session_id"), ({"session_id": "s" * 129}, "session_id"),
     ({"session_id": "a b"}, "session_id"), ({"session_id": "s" * 100_000}, "session_id"),
+    ({"session_id": "s\n"}, "session_id"),
     ({"request_id": "r\u00e9"}, "request_id"), ({"request_id": "\x00"}, "request_id"),
 ]]
 

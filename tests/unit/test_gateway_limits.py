@@ -29,9 +29,10 @@ def test_peer_host_drops_the_port():
 def test_client_key_prefers_x_client_id():
     assert client_key(Ctx("ipv4:10.1.2.3:1")) == client_key(Ctx("ipv4:10.1.2.3:2")) == "ip:10.1.2.3"
     assert client_key(Ctx("ipv4:10.1.2.3:1", (("x-client-id", "team-a"),))) == "id:team-a"
-    with pytest.raises(Invalid) as e:
-        client_key(Ctx("ipv4:10.1.2.3:1", (("x-client-id", "a b"),)))
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "x-client-id" in e.value.message
+    for bad in ("a b", "a\n", "x" * 129, ""):
+        with pytest.raises(Invalid) as e:
+            client_key(Ctx("ipv4:10.1.2.3:1", (("x-client-id", bad),)))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "x-client-id" in e.value.message
 
 
 def test_limiter_counts_per_client_and_zero_is_no_limit():
