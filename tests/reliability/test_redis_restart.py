@@ -19,7 +19,7 @@ from kvpop.store import session_key, turns_key
 pytestmark = pytest.mark.slow
 
 SESSIONS = 8
-LONG = 400      # tokens of the turn that spans the restart
+LONG = 600      # tokens of the turn that spans the restart
 
 
 def _turn(gateway, sid: str, i: int, n: int, **kw):
