@@ -156,12 +156,11 @@ class ModelRunner:
         cur = [s.num_cached for s, _ in decode]
         windowed = self.window is not None and max(cur) >= self.window
         kernel = self.fused and not windowed   # the CUDA kernel has no window
-        tables = torch.zeros(self.L, B, self.Hkv, nbmax, dtype=torch.int32, device=dev)
-        bidx = None if kernel else torch.full((self.L, B, self.Hkv, nbmax), 1 << 40, dtype=torch.long, device=dev)
-        for b, (seq, _) in enumerate(decode):
-            tables[:, b, :, :seq.num_blocks] = seq.page_table
-            if bidx is not None:
-                bidx[:, b, :, :seq.num_blocks] = seq.block_index
+        # One stack instead of a copy per sequence; padding names page 0 at a
+        # block number past every query (so the torch path masks it).
+        pad = lambda t, v: t if t.shape[2] == nbmax else F.pad(t, (0, nbmax - t.shape[2]), value=v)
+        tables = torch.stack([pad(s.page_table, 0) for s, _ in decode], 1)     # [L, B, Hkv, NB]
+        bidx = None if kernel else torch.stack([pad(s.block_index, 1 << 30) for s, _ in decode], 1).long()
         meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel)
         if kernel:
             meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)
