@@ -104,15 +104,23 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         eng = self.engine.engine
-        ids = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt)
+        sid = request.session_id or None
+        if sid and request.prompt_token_ids:
+            # A re-prefill from the stored history replaces whatever KV this replica parked.
+            await asyncio.to_thread(self.engine.drop_session, sid)
+        # A parked session continues after `held` tokens: the turn's text gets no second BOS.
+        held = await asyncio.to_thread(self.engine.session_tokens, sid) if sid and not request.prompt_token_ids else 0
+        ids = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt, add_bos=not held)
         limit = eng.max_model_len
-        if len(ids) >= limit:
+        if held + len(ids) >= limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"prompt is {len(ids)} tokens after a session context of {held}; "
+                                f"the model's max length is {limit}" if held else
                                 f"prompt is {len(ids)} tokens; the model's max length is {limit}")
         s = request.sampling
         sampling = SamplingParams(
             # Room left in the model's length ends the stream with "length", not an error.
-            max_tokens=max(1, min(s.max_tokens, limit - len(ids))), temperature=s.temperature, top_p=s.top_p,
+            max_tokens=max(1, min(s.max_tokens, limit - held - len(ids))), temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k, seed=s.seed if s.has_seed else None, repetition_penalty=s.repetition_penalty,
             stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
         ev = request.eviction
@@ -124,10 +132,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         span.set_attribute("kvpop.request_id", rid)
         span.set_attribute("kvpop.prompt_tokens", len(ids))
         span.set_attribute("kvpop.policy", eviction.policy)
+        span.set_attribute("kvpop.session_context_tokens", held)
         advised = self.advisor is not None and eviction.policy == "learned"
         if advised:
             self.advisor.set_context(rid, telemetry.inject())
-        stream = self.engine.generate(rid, ids, sampling, eviction)
+        stream = self.engine.generate(rid, ids, sampling, eviction, session_id=sid)
         first = True
         timer = get_metrics().request()
         try:
@@ -210,7 +219,7 @@ class ComputeApp:
         self.reporter = ReplicaReporter(cfg.redis_url, s.replica_id, address, cfg.max_num_seqs,
                                         s.model_info.name, lambda: self.refresher.last, cfg.heartbeat_s)
         entries = await self.reporter.prewarm_entries(cfg.prewarm_top_k)
-        prewarm = getattr(s.engine.engine, "prewarm", None)
+        prewarm = getattr(s.engine, "prewarm", None)   # AsyncEngine: between steps
         if entries and prewarm is not None:
             n = await asyncio.to_thread(prewarm, [e.text for e in entries])
             log.info("prewarmed %s of %d prefixes", n, len(entries))
