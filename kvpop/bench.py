@@ -62,15 +62,18 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         _check(args)
         results = {"engine": bench_engine, "prefix": bench_prefix}[args.bench](args)
+        results["machine"] = machine()
     except ValueError as e:   # a bad model folder, budget, length...: say so, no traceback
         print(f"kvpop bench {args.bench}: error: {e}", file=sys.stderr)
         return 2
-    results["machine"] = machine()
+    finally:
+        torch.set_num_threads(threads)   # run() is also called in process (tests)
     results["command"] = "kvpop bench " + args.bench
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -51,3 +51,11 @@ def test_bench_prefix_small(tmp_path):
 def test_bench_bad_arguments_are_refused_with_a_message(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_restores_the_thread_count():
+    import torch
+
+    before = torch.get_num_threads()
+    assert main(["bench", "prefix", "--threads", str(before + 1), "--requests", "0"]) == 2
+    assert torch.get_num_threads() == before
