@@ -13,7 +13,8 @@ sum_{q < t} P[h, q, p]. From it, per block:
 - at sampled decision times t (the steps at which features arrive, when the
   cache-manager re-plans), the target of every known block = the attention
   mass it receives from the next ``horizon`` queries, averaged over those
-  queries per query head, then the max over the G heads of its kv-head (KVpop).
+  queries per query head (``target="mean"``, KVpop) or their peak
+  (``"max"``), then the max over the G heads of its kv-head.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class TraceConfig:
     prefill_chunk: int = 512
     snapshots: int = 16          # decision times sampled per sequence
     query_chunk: int = 256
+    target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)
 
 
 def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
@@ -119,6 +121,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
         C = torch.zeros(Hq, T + 1, nblocks)
         C[:, 1:] = probs[..., : nblocks * bs].reshape(Hq, T, nblocks, bs).sum(-1)
         del probs
+        peak = C[:, 1:, blocks].clone() if cfg.target == "max" else None     # [Hq, T, nknown]
         C.cumsum_(1)
         # Features at submission: the engine averages block mass over the G heads.
         a = C[:, sub_rows, blocks].view(Hkv, G, -1).mean(1)                  # [Hkv, nknown]
@@ -128,7 +131,10 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
         km[:, layer], vn[:, layer] = kb.numpy(), vb.numpy()
         for i, (t, k_) in enumerate(zip(pick, nk)):
             e = min(T, t + cfg.horizon)
-            fut = (C[:, e, blocks[:k_]] - C[:, t, blocks[:k_]]) / (e - t)       # [Hq, k]
+            if peak is not None:
+                fut = peak[:, t:e, :k_].amax(1)
+            else:
+                fut = (C[:, e, blocks[:k_]] - C[:, t, blocks[:k_]]) / (e - t)   # [Hq, k]
             targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
 
     rec = _Recorder(on_layer, cfg.query_chunk)
@@ -161,5 +167,6 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
         ex = trace(model, ids, len(inst.prompt_ids), rng.choice(cfg_choices), rng)
         if ex is not None:
             ex["family"] = inst.family
+            ex["depends"] = np.asarray(inst.depends, np.int64)   # prompt positions the answer needs
             out.append(ex)
     return out

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent", default="8,32", help="recent windows to trace (one drawn per sequence)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--horizon", type=int, default=128, help="future queries that define a block's importance")
+    p.add_argument("--target", choices=("mean", "max"), default="mean",
+                   help="aggregate of a block's attention over the horizon's queries")
+    p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
     p.add_argument("--min-len", type=int, default=256, help="shortest traced prompt")
     p.add_argument("--max-len", type=int, default=1280, help="longest traced prompt")
     p.add_argument("--d-model", type=int, default=32)
@@ -95,6 +98,18 @@ def mass_at_k(pred: np.ndarray, target: np.ndarray) -> dict[float, float]:
     return out
 
 
+def needed_at_k(pred: np.ndarray, needed: np.ndarray) -> dict[float, float]:
+    """pred [R, n], needed [n] bool (blocks holding positions the task's answer
+    depends on): mean over rows of the share of needed blocks in the predicted top-k."""
+    R, n = pred.shape
+    order = np.argsort(-pred, axis=1, kind="stable")
+    out = {}
+    for f in KEEP_FRACTIONS:
+        k = max(1, int(round(f * n)))
+        out[f] = float(needed[order[:, :k]].sum(1).mean() / needed.sum())
+    return out
+
+
 def baselines(a: dict, now: float) -> dict[str, np.ndarray]:
     """Heuristic scores [R, n] on the same rows (higher = keep)."""
     n, L, H = a["attention"].shape
@@ -110,7 +125,8 @@ def evaluate(model, data: list[dict]) -> dict:
     from services.cache_manager.estimator import row_ids, rows_from_arrays
 
     sums: dict[str, dict[float, float]] = {}
-    count, total_loss = 0, 0.0
+    needs: dict[str, dict[float, float]] = {}
+    count, n_needed, total_loss = 0, 0, 0.0
     model.eval()
     with torch.no_grad():
         for ex in data:
@@ -124,17 +140,27 @@ def evaluate(model, data: list[dict]) -> dict:
                 kl, pair = losses(s, y, torch.Generator().manual_seed(i))
                 total_loss += float(kl + pair)
                 preds = {"learned": s.numpy(), **baselines(a, now)}
+                needed = np.isin(a["block"], np.unique(ex.get("depends", np.zeros(0, np.int64)) // ex["block_size"]))
                 for name, pr in preds.items():
                     m = mass_at_k(pr, y.numpy())
                     acc = sums.setdefault(name, {f: 0.0 for f in KEEP_FRACTIONS})
                     for f in KEEP_FRACTIONS:
                         acc[f] += m[f]
+                    if needed.any():
+                        r = needed_at_k(pr, needed)
+                        nacc = needs.setdefault(name, {f: 0.0 for f in KEEP_FRACTIONS})
+                        for f in KEEP_FRACTIONS:
+                            nacc[f] += r[f]
+                n_needed += bool(needed.any())
                 count += 1
     model.train()
     res = {name: {str(f): v / max(count, 1) for f, v in acc.items()} for name, acc in sums.items()}
-    for name in res:
-        res[name]["mean"] = float(np.mean([res[name][str(f)] for f in KEEP_FRACTIONS]))
-    return {"loss": total_loss / max(count, 1), "decisions": count, "mass_at_k": res}
+    nres = {name: {str(f): v / max(n_needed, 1) for f, v in acc.items()} for name, acc in needs.items()}
+    for r in (res, nres):
+        for name in r:
+            r[name]["mean"] = float(np.mean([r[name][str(f)] for f in KEEP_FRACTIONS]))
+    return {"loss": total_loss / max(count, 1), "decisions": count, "mass_at_k": res,
+            "needed_at_k": nres, "decisions_with_needed_blocks": n_needed}
 
 
 # ------------------------------------------------------------------ training
@@ -244,7 +270,8 @@ def run(args) -> int:
         data = torch.load(cache, weights_only=False)
         print(f"loaded {len(data)} traces from {cache}")
     else:
-        choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon)
+        choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
+                              target=args.target)
                    for b in bss for r in recents]
         data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
         if cache is not None:
@@ -260,7 +287,7 @@ def run(args) -> int:
     history = train(net, train_data, val_data, args.minutes, args.lr, args.seed)
     ev = evaluate(net, val_data)
     cfg.trained = {"model": str(model_dir), "traces": len(data), "steps": history[-1][0] if history else 0,
-                   "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
+                   "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon, "target": args.target,
                    "held_out": ev}
     save(net, out)
     png = out.with_name(out.stem + "_loss.png")

@@ -6,6 +6,7 @@ import math
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from helpers_engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
@@ -49,11 +50,12 @@ def _naive(model, ids):
     return torch.stack(probs), torch.stack(ks), torch.stack(vs), model.compute_logits(hidden)
 
 
-def test_targets_and_features_match_a_naive_dense_computation():
+@pytest.mark.parametrize("target", ["mean", "max"])
+def test_targets_and_features_match_a_naive_dense_computation(target):
     model = tiny_model(seed=3)
     ids = random_prompt(45, seed=1)
     P, cfg = 30, TraceConfig(block_size=4, sink=4, recent=8, horizon=6, prefill_chunk=16, snapshots=50,
-                             query_chunk=7)
+                             query_chunk=7, target=target)
     ex = trace(model, ids, P, cfg, random.Random(0))
     probs, ks, vs, logits = _naive(model, ids)
     with torch.no_grad():
@@ -85,7 +87,8 @@ def test_targets_and_features_match_a_naive_dense_computation():
             cols = slice(b * bs, (b + 1) * bs)
             for l in range(L):
                 for h in range(Hkv):
-                    want = max(float(probs[l, h * G + g, t:e, cols].sum()) / (e - t) for g in range(G))
+                    per_query = probs[l, h * G:(h + 1) * G, t:e, cols].sum(-1)          # [G, e - t]
+                    want = float((per_query.mean(1) if target == "mean" else per_query.amax(1)).max())
                     assert abs(tgt[l, h, j] - want) < 1e-5
 
 
