@@ -258,11 +258,15 @@ class LLMEngine:
                 if n == 0:
                     continue
                 # A budget above the prompt: the statistics path runs, nothing is evicted.
-                seq = self.make_sequence(f"\x00prewarm-{next(self._ids)}", ids[:n], SamplingParams(max_tokens=1),
-                                         EvictionParams("h2o", budget=n + 2 * self.config.block_size,
-                                                        sink=0, recent=0))
-                seq.prewarm = True
-                self.add_sequence(seq)
+                try:
+                    seq = self.make_sequence(f"\x00prewarm-{next(self._ids)}", ids[:n], SamplingParams(max_tokens=1),
+                                             EvictionParams("h2o", budget=n + 2 * self.config.block_size,
+                                                            sink=0, recent=0))
+                    seq.prewarm = True
+                    self.add_sequence(seq)
+                except ValueError as e:   # a bad entry (ids out of range, too big for the pool) is skipped
+                    log.warning("prewarm prompt skipped: %s", e)
+                    continue
                 seqs.append(seq)
             if all(s.prewarm for s in self.seqs.values()):
                 while any(not s.is_finished for s in seqs):

@@ -109,7 +109,8 @@ def test_async_engine_prewarm_texts_then_hits(model):
     aengine = AsyncEngine(tiny_engine(model, tokenizer=tok, prefix_cache_fraction=0.2))
     system = "You are a careful assistant. Answer briefly. "
     try:
-        assert aengine.prewarm([system, "ab"]) == 1       # "ab" + BOS: no full block
+        # "ab" + BOS: no full block; out-of-vocabulary ids: skipped, never raised
+        assert aengine.prewarm([system, "ab", [10**6] * 8]) == 1
         assert aengine.stats()["prefix_cache_blocks"] == len(tok.encode(system)) // 4
 
         async def ask(rid, text):
