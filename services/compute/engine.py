@@ -270,7 +270,10 @@ class LLMEngine:
                 seqs.append(seq)
             if all(s.prewarm for s in self.seqs.values()):
                 while any(not s.is_finished for s in seqs):
+                    steps = self.counters["steps"]
                     self.step()
+                    if self.counters["steps"] == steps:   # nothing could run: leave them queued
+                        break
         return len(seqs)
 
     def abort(self, request_id: str) -> None:
