@@ -3,6 +3,10 @@
 One ``step()`` = admit, run one mixed prefill/decode forward, sample, stream
 text, then run the eviction rounds of every sequence it touched. Evaluation,
 benchmarks and the compute gRPC server (through AsyncEngine) all use it.
+
+At admission a sequence starts from a parked session (``session_id``) or from
+the longest cached prefix of its prompt (``prewarm``); at finish a session's
+sequence is parked instead of freed (prefix_cache.py, session_cache.py).
 """
 from __future__ import annotations
 
