@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from helpers_engine import random_prompt, run_all, tiny_engine, tiny_model
+from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine import EvictionParams, SamplingParams
 
@@ -122,3 +122,17 @@ def test_async_engine_prewarm_texts_then_hits(model):
         assert st["generated_tokens"] == SP.max_tokens and st["finished_requests"] == 1   # prewarm not counted
     finally:
         aengine.shutdown()
+
+
+def test_prewarm_beside_running_requests_loses_no_output(model):
+    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompt = random_prompt(10, seed=8)
+    engine.add_request("busy", prompt, sp)
+    first = engine.step()
+    assert engine.prewarm(random_prompt(20, seed=9)) == 1      # queued, not driven here
+    assert not engine.prefix_cache.blocks
+    outs = run_all(engine)
+    assert list(outs) == ["busy"]                              # the prewarm streamed nothing
+    assert [o.token_id for o in first + outs["busy"]] == dense_greedy(model, prompt, sp.max_tokens)
+    assert len(engine.prefix_cache.blocks) == 5
