@@ -100,7 +100,8 @@ class ModelRunner:
                 sampled.append(seq)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        write_pages = torch.cat(write_pages, 2).permute(0, 2, 1)               # [L, T, Hkv]
+        # int64 once per step: the reference kv_append would convert in every layer.
+        write_pages = torch.cat(write_pages, 2).permute(0, 2, 1).long()        # [L, T, Hkv]
         offsets = (positions % bs).repeat_interleave(self.Hkv)
 
         dec = self._decode_meta(decode)
