@@ -23,7 +23,8 @@ from typing import Iterator
 import torch
 
 from services.compute.eviction import (EvictionAdvisor, EvictionParams, blocks_leaving_window,
-                                       eviction_round, resolve_eviction, update_features)
+                                       drop_outside_window, eviction_round, resolve_eviction,
+                                       update_features)
 from services.compute.kv_pool import KVPool
 from services.compute.model_runner import ModelRunner
 from services.compute.policies import LEARNED, get_policy
@@ -311,6 +312,13 @@ class LLMEngine:
         if not batch:
             return outputs
         logits, sampled = self.runner.run(batch)
+        window = self.model.config.sliding_window
+        if window is not None:
+            # Dense sequences keep O(window) KV. Prefix blocks (shared, counted by
+            # the cache) and prewarm fills (cached whole) keep theirs.
+            for seq, _ in batch:
+                if seq.eviction.budget_blocks is None and not seq.prefix_blocks and not seq.prewarm:
+                    drop_outside_window(seq, self.pool, window)
         for seq in sampled:
             if seq.prewarm and len(seq.output_ids) == 0:
                 self.prefix_cache.insert(seq, seq.num_prompt // seq.block_size, self.scheduler.room(), True)

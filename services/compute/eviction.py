@@ -252,6 +252,21 @@ def eviction_round(seq: Sequence, pool: KVPool) -> None:
                      None if plan is None else plan.evict)
 
 
+def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
+    """Sliding-window models: free the leading blocks no future query can see
+    (every position <= next query position - window). Dense sequences only:
+    their rows are identical and start at their oldest block, and these are
+    not policy evictions (not counted)."""
+    if not seq.num_blocks:
+        return
+    first = int(seq.block_index[0, 0, 0])
+    dead = min(seq.num_blocks - 1, (seq.num_cached - window + 1) // seq.block_size - first)
+    if dead > 0:
+        pool.free(seq.page_table[:, :, :dead])
+        L, H, NB = seq.page_table.shape
+        seq.keep_columns(torch.arange(dead, NB, device=seq.page_table.device).expand(L, H, NB - dead))
+
+
 def shrink_budget(seq: Sequence, pool: KVPool) -> bool:
     """Cleanup (DESIGN protocol 6): halve the way to the floor and evict now.
     Returns False when the sequence is already at its floor or is dense."""
