@@ -106,7 +106,7 @@ class LLMEngine:
             self.pool = KVPool(pages, config.block_size, mc.head_dim, model.dtype, model.device)
         self.runner = ModelRunner(model, self.pool)
         self.scheduler = Scheduler(self.pool, mc.num_layers * mc.num_kv_heads, config.max_num_seqs,
-                                   config.prefill_chunk, config.cleanup_threshold)
+                                   config.prefill_chunk, config.cleanup_threshold, mc.sliding_window)
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set(mc.eos_token_ids)
         rows = mc.num_layers * mc.num_kv_heads
         self.prefix_cache = None

@@ -29,8 +29,9 @@ from services.compute.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, pool: KVPool, rows: int, max_num_seqs: int, prefill_chunk: int,
-                 cleanup_threshold: float):
+                 cleanup_threshold: float, window: int | None = None):
         self.pool, self.rows = pool, rows   # rows = layers x kv-heads: pages per block
+        self.window = window                # sliding window of the model (dense rows stay within it)
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.cleanup_threshold = cleanup_threshold
         self.waiting: deque[Sequence] = deque()
@@ -48,6 +49,11 @@ class Scheduler:
             # Blocks shared from the prefix cache are counted by the cache, which
             # keeps them while a sequence holds them.
             blocks = dense - seq.shared_prefix_blocks
+            if self.window is not None and not seq.prefix_blocks and not seq.prewarm:
+                # The engine frees blocks behind the window after every step
+                # (drop_outside_window): at most the window plus one chunk, and
+                # a partial block at each end.
+                blocks = min(blocks, math.ceil((self.window + self.prefill_chunk) / bs) + 2)
         elif seq.in_prefill:
             blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
         else:

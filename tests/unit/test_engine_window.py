@@ -37,8 +37,11 @@ def test_greedy_with_window_equals_recomputation(model, block_size, prefill_chun
     while engine.has_unfinished():
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
-        # Blocks no future query can see are freed: each row holds O(window), not O(length).
+        # Blocks no future query can see are freed: each row holds O(window), not O(length),
+        # and never more than the sequence reserved.
         peak = max([peak] + [s.num_blocks for s in engine.seqs.values() if not s.in_prefill])
+        for s in engine.scheduler.running:
+            assert s.page_table.numel() <= engine.scheduler.reservation(s)
     for i, p in enumerate(prompts):
         assert [o.token_id for o in outs[str(i)]] == dense_greedy(model, p, sp.max_tokens), (i, block_size)
         assert outs[str(i)][-1].usage.kv_blocks_evicted == 0
