@@ -183,6 +183,8 @@ class LLMEngine:
                                  f"the model's max length {self.max_model_len}")
             # Tokens now, pages at admission (until then the session's pages stay counted as held).
             seq.session_base, seq.session_claim = len(parked.tokens), True
+            if parked.eviction.budget_blocks is None:   # its leading blocks are still the cached ones
+                seq.prefix_blocks = parked.prefix_blocks  # (set now: admission reserves with it)
             seq.prompt_ids = context
             seq.tokens = list(context)
         try:
@@ -225,7 +227,16 @@ class LLMEngine:
         budgeted = seq.eviction.budget_blocks is not None and not seq.prewarm
         if budgeted:
             limit = min(limit, seq.eviction.budget_blocks)
-        cache.attach(seq, cache.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=not seq.prewarm))
+        blocks = cache.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=False)
+        # Admission reserved for the sequence as it was; sharing may only lower that
+        # (it can raise it for a sliding-window model, whose dense rows otherwise stay small).
+        before = self.scheduler.reservation(seq)
+        seq.prefix_blocks = len(blocks)
+        if self.scheduler.reservation(seq) > before:
+            seq.prefix_blocks, blocks = 0, []
+        if not seq.prewarm:
+            cache.count(seq.num_prompt, len(blocks))
+        cache.attach(seq, blocks)
 
     def _restore_session(self, seq: Sequence) -> None:
         old = self.sessions.take(seq.sampling.session_id)
@@ -233,8 +244,6 @@ class LLMEngine:
         for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
                      "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
             setattr(seq, name, getattr(old, name))
-        if old.eviction.budget_blocks is None:   # its leading blocks are still the cached ones
-            seq.prefix_blocks = old.prefix_blocks
         if seq.eviction.budget_blocks is not None:
             # A turn may bring a smaller budget than the parked KV holds (e.g. after
             # a dense turn): back within it now, as its reservation assumes.

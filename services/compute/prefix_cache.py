@@ -72,11 +72,14 @@ class PrefixCache:
         for b in reversed(found):
             self.blocks.move_to_end(b.key)
         if count:
-            self.queries += 1
-            self.query_tokens += len(tokens)
-            self.hits += bool(found)
-            self.hit_tokens += len(found) * self.bs
+            self.count(len(tokens), len(found))
         return found
+
+    def count(self, prompt_tokens: int, hit_blocks: int) -> None:
+        self.queries += 1
+        self.query_tokens += prompt_tokens
+        self.hits += hit_blocks > 0
+        self.hit_tokens += hit_blocks * self.bs
 
     def attach(self, seq: Sequence, blocks: list[CachedBlock]) -> None:
         """Start a fresh sequence from cached blocks: shared pages, copied statistics."""

@@ -47,3 +47,29 @@ def test_greedy_with_window_equals_recomputation(model, block_size, prefill_chun
         assert outs[str(i)][-1].usage.kv_blocks_evicted == 0
     assert peak <= -(-WINDOW // block_size) + 2
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_window_with_prefix_cache_and_sessions(model):
+    """A cached prefix is shared only where that does not raise what the
+    sequence reserved (long prompts of a windowed model stay O(window) instead);
+    outputs are the recomputation's either way, also across a session's turns."""
+    engine = tiny_engine(model, block_size=4, prefill_chunk=8, prefix_cache_fraction=0.3)
+    system = random_prompt(12, seed=40)
+    engine.prewarm(system)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    short, long_ = system + random_prompt(2, seed=41), system + random_prompt(40, seed=42)
+    engine.add_request("short", short, sp)
+    engine.add_request("long", long_, sp)
+    engine.add_request("chat", short, sp, session_id="s")
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o.token_id)
+        for s in engine.scheduler.running:   # own pages (shared ones are the cache's)
+            assert s.page_table.numel() - s.shared_prefix_blocks * 4 <= engine.scheduler.reservation(s)
+    assert engine.stats()["prefix_cache_hits"] == 2          # short and chat; long stayed windowed
+    assert outs["short"] == dense_greedy(model, short, 3) and outs["long"] == dense_greedy(model, long_, 3)
+    turn = random_prompt(30, seed=43)
+    engine.add_request("chat2", turn, SamplingParams(max_tokens=4, ignore_eos=True), session_id="s")
+    got = [o.token_id for o in run_all(engine)["chat2"]]
+    assert got == dense_greedy(model, short + outs["chat"] + turn, 4)
