@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-sizes", default="1,16", help="block sizes to trace (one drawn per sequence)")
     p.add_argument("--recent", default="8,32", help="recent windows to trace (one drawn per sequence)")
     p.add_argument("--sink", type=int, default=4)
-    p.add_argument("--horizon", type=int, default=128, help="future queries that define a block's importance")
+    p.add_argument("--horizon", type=int, default=1024,
+                   help="future queries that define a block's importance (1024: the rest of a task sequence, as KVpop)")
     p.add_argument("--target", choices=("mean", "max"), default="mean",
                    help="aggregate of a block's attention over the horizon's queries")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
@@ -140,7 +141,9 @@ def evaluate(model, data: list[dict]) -> dict:
                 kl, pair = losses(s, y, torch.Generator().manual_seed(i))
                 total_loss += float(kl + pair)
                 preds = {"learned": s.numpy(), **baselines(a, now)}
-                needed = np.isin(a["block"], np.unique(ex.get("depends", np.zeros(0, np.int64)) // ex["block_size"]))
+                deps = ex.get("depends")
+                needed = (np.isin(a["block"], np.unique(deps // ex["block_size"])) if deps is not None
+                          else np.zeros(len(a["block"]), bool))
                 for name, pr in preds.items():
                     m = mass_at_k(pr, y.numpy())
                     acc = sums.setdefault(name, {f: 0.0 for f in KEEP_FRACTIONS})
@@ -166,7 +169,10 @@ def evaluate(model, data: list[dict]) -> dict:
 # ------------------------------------------------------------------ training
 def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
           eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None):
-    """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None)."""
+    """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None).
+    Every ``eval_every_s`` the held-out loss is measured on (up to) 8 sequences
+    and the best state so far is kept; the model ends in that state (the
+    traces are few, so later steps can overfit)."""
     import torch
     from tqdm import tqdm
 
@@ -181,6 +187,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     budget = minutes * 60.0
     t0 = last_eval = time.monotonic()
     history, ema, step = [], None, 0
+    probe, best, best_state = val_data[:8], float("inf"), None
     bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
     model.train()
@@ -206,17 +213,25 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         ema = lv if ema is None else 0.98 * ema + 0.02 * lv
         vl = vm = None
         now_t = time.monotonic()
-        if val_data and now_t - last_eval >= eval_every_s:
-            ev = evaluate(model, val_data)
+        if probe and now_t - last_eval >= eval_every_s:
+            ev = evaluate(model, probe)
             vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
-            last_eval = now_t
+            if vl < best:
+                best, best_state = vl, {k: v.detach().clone() for k, v in model.state_dict().items()}
+            last_eval = time.monotonic()
             bar.set_postfix(step=step, loss=f"{ema:.3f}", val=f"{vl:.3f}", mass=f"{vm:.3f}")
         elif step % 20 == 0:
             bar.set_postfix(step=step, loss=f"{ema:.3f}")
         history.append((step, ema, vl, vm))
-        bar.n = min(round(now_t - t0), round(budget))
-        bar.refresh() if step % 20 == 0 else None
+        if step % 20 == 0:
+            bar.n = min(round(now_t - t0), round(budget))
+            bar.refresh()
     bar.close()
+    if probe:
+        vl = evaluate(model, probe)["loss"]
+        if best_state is not None and best < vl:
+            model.load_state_dict(best_state)
+            print(f"kept the held-out best (loss {best:.4f} < final {vl:.4f})")
     return history
 
 
@@ -284,7 +299,7 @@ def run(args) -> int:
     print(f"{len(train_data)} train / {len(val_data)} held-out sequences, "
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
-    history = train(net, train_data, val_data, args.minutes, args.lr, args.seed)
+    history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0)
     ev = evaluate(net, val_data)
     cfg.trained = {"model": str(model_dir), "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon, "target": args.target,
