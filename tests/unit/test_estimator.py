@@ -173,3 +173,22 @@ def test_training_learns_a_known_ranking():
     # The network finds the key direction; attention-so-far (random here) cannot.
     assert m["learned"]["mean"] > 0.85, m
     assert m["learned"]["mean"] > m["h2o"]["mean"] + 0.2, m
+
+
+def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
+    from helpers_models import save_hf_model
+    from kvpop.cli import main
+    from kvpop.tasks.vocab import WORDS
+    from services.cache_manager.planner import Planner
+
+    save_hf_model(tmp_path / "m", vocab_size=len(WORDS), max_position_embeddings=1024)
+    out = tmp_path / "m" / "estimator.safetensors"
+    rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--minutes", "0.05",
+               "--min-len", "64", "--max-len", "96", "--block-sizes", "1,4", "--threads", "1",
+               "--traces", str(tmp_path / "traces.pt")])
+    assert rc == 0 and out.exists() and (tmp_path / "m" / "estimator_loss.png").exists()
+    cfg = load(out).cfg
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 16)
+    assert cfg.trained["held_out"]["decisions"] > 0 and cfg.trained["traces"] >= 5
+    assert Planner(tmp_path / "m").policy_name == "learned"     # a model folder resolves to its checkpoint
+    assert (tmp_path / "traces.pt").exists()
