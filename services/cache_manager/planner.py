@@ -98,7 +98,11 @@ class Planner:
         if self.scorer is not None:
             shape = seq.arrays()["key_mean"].shape[1:]
             if self.scorer.compatible(*shape):
-                scores = self.scorer.score(seq)
+                try:
+                    scores = self.scorer.score(seq)
+                except Exception:  # noqa: BLE001 - a network failure must not cost the plan
+                    seq.cache.clear()
+                    log.exception("estimator failed on %s; ranking it with the heuristic", request_id)
             elif shape not in self._warned:
                 self._warned.add(shape)
                 log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
