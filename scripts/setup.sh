@@ -10,9 +10,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.kvpop-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "installing into .venv (log: .venv/install.log)" >&2
+  {
+    .venv/bin/python -m pip install -q --upgrade pip &&
+    .venv/bin/python -m pip install -q torch==2.13.0 &&
+    .venv/bin/python -m pip install -q -e ".[test]"
+  } > .venv/install.log 2>&1 || { tail -40 .venv/install.log >&2; exit 1; }
   touch "$stamp"
 fi
 if ! command -v redis-server >/dev/null; then
