@@ -5,8 +5,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
+SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  # Debian splits venv/ensurepip out of the interpreter package.
+  if ! "$PY" -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3-venv >/dev/null
+    "$PY" -m venv .venv
+  fi
 fi
 stamp=.venv/.kvpop-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
@@ -20,6 +26,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
 fi
 if ! command -v redis-server >/dev/null; then
   echo "redis-server not found: installing Debian's redis-server" >&2
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
