@@ -97,11 +97,15 @@ class ComputeConfig(ServerConfig):
     heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "registry entry lifetime; 3 heartbeats per interval")
     prewarm_top_k: int = setting("KVPOP_PREWARM_TOP_K", 8,
                                  "most-counted prompt prefixes prefilled before SERVING (0 = none)")
+    session_kv_ttl_s: float = setting("KVPOP_SESSION_KV_TTL_S", 600.0,
+                                      "seconds an idle session keeps its parked KV on this replica")
 
     def validate(self) -> None:
         super().validate()
         if self.heartbeat_s <= 0 or self.prewarm_top_k < 0:
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0 and KVPOP_PREWARM_TOP_K >= 0")
+        if self.session_kv_ttl_s <= 0:
+            raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
         if self.block_size < 1:
             raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
         if self.max_num_seqs < 1:

@@ -3,9 +3,11 @@
 Keys (all under `kvpop:v1:`, values JSON):
 
 - `kvpop:v1:session:<id>` — string, JSON object
-  `{"session_id", "model", "replica", "budget", "turns", "created_at", "last_used"}`
-  (`budget`: the request's kv budget as `{"tokens": n}` or `{"fraction": f}` or
-  null; times are Unix seconds).
+  `{"session_id", "model", "replica", "budget", "turns", "tokens", "created_at", "last_used"}`
+  (`replica`: the compute replica that served the last turn, which holds the
+  session's KV; `budget`: the request's kv budget as `{"tokens": n}` or
+  `{"fraction": f}` or null; `tokens`: length of the token history; times are
+  Unix seconds).
 - `kvpop:v1:session:<id>:turns` — list, one JSON object per turn, oldest first:
   `{"request_id", "prompt", "completion", "prompt_token_ids", "completion_token_ids",
   "finish_reason", "at"}`. The token history of the session is the
@@ -13,11 +15,13 @@ Keys (all under `kvpop:v1:`, values JSON):
 
 Both keys expire `ttl_s` after the session's last use. A Redis outage must
 never fail a stream: `record_turn` that cannot reach Redis keeps the turn in
-memory and `flush_pending` (run periodically) writes it later, in order.
+memory and `flush_pending` (run periodically) writes it later, in order;
+`get` and `token_history` include the turns still queued.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -57,8 +61,19 @@ class Session:
     replica: str = ""
     budget: dict | None = None
     turns: int = 0
+    tokens: int = 0
     created_at: float = 0.0
     last_used: float = 0.0
+
+
+def _length(turn: Turn) -> int:
+    return len(turn.prompt_token_ids) + len(turn.completion_token_ids)
+
+
+def _session(raw: dict) -> Session:
+    # Fields a newer writer may add are ignored, not fatal.
+    known = {f.name for f in dataclasses.fields(Session)}
+    return Session(**{k: v for k, v in raw.items() if k in known})
 
 
 class SessionStore:
@@ -69,14 +84,28 @@ class SessionStore:
         self._lock = asyncio.Lock()
 
     async def get(self, session_id: str) -> Session | None:
-        async with unavailable_as("reading session"):
-            raw = await self.redis.get(session_key(session_id))
-        return None if raw is None else Session(**json.loads(raw))
+        async with self._lock:      # a queued turn is either still queued or written, never neither
+            async with unavailable_as("reading session"):
+                raw = await self.redis.get(session_key(session_id))
+            meta = None if raw is None else _session(json.loads(raw))
+            for queued, turn in self._pending:
+                if queued.session_id == session_id:
+                    base = meta or Session(session_id, created_at=queued.created_at)
+                    meta = dataclasses.replace(queued, turns=base.turns + 1, created_at=base.created_at,
+                                               tokens=base.tokens + _length(turn))
+        return meta
 
     async def history(self, session_id: str) -> list[Turn]:
-        async with unavailable_as("reading session turns"):
-            raw = await self.redis.lrange(turns_key(session_id), 0, -1)
-        return [Turn(**json.loads(t)) for t in raw]
+        async with self._lock:
+            async with unavailable_as("reading session turns"):
+                raw = await self.redis.lrange(turns_key(session_id), 0, -1)
+            queued = [t for m, t in self._pending if m.session_id == session_id]
+        return [Turn(**json.loads(t)) for t in raw] + queued
+
+    async def token_history(self, session_id: str) -> list[int]:
+        """Every turn's prompt then completion token ids, oldest first: what a
+        replica prefills to take the session over."""
+        return [i for t in await self.history(session_id) for i in (*t.prompt_token_ids, *t.completion_token_ids)]
 
     async def _write(self, meta: Session, turn: Turn) -> None:
         key = session_key(meta.session_id)
@@ -86,8 +115,9 @@ class SessionStore:
                 prev = json.loads(old)
                 meta.created_at = prev.get("created_at") or meta.created_at
                 meta.turns = int(prev.get("turns", 0)) + 1
+                meta.tokens = int(prev.get("tokens", 0)) + _length(turn)
             else:
-                meta.turns = 1
+                meta.turns, meta.tokens = 1, _length(turn)
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.set(key, json.dumps(asdict(meta)), ex=self.ttl_s)
                 pipe.rpush(turns_key(meta.session_id), json.dumps(asdict(turn)))

@@ -42,20 +42,24 @@ class Eviction(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "eviction", "session_id")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "eviction", "session_id", "continue_session", "history_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EVICTION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     eviction: Eviction
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    continue_session: bool
+    history_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., session_id: _Optional[str] = ..., continue_session: _Optional[bool] = ..., history_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("response", "prompt_token_ids")

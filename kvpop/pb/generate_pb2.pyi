@@ -65,20 +65,24 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions")
+    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions", "session_resumed", "reprefilled_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_RESUMED_FIELD_NUMBER: _ClassVar[int]
+    REPREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     kv_blocks_resident: int
     kv_blocks_evicted: int
     policy: str
     fallback_evictions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ...) -> None: ...
+    session_resumed: bool
+    reprefilled_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ..., session_resumed: _Optional[bool] = ..., reprefilled_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "finish_reason_text", "usage")

@@ -31,7 +31,7 @@ from services.compute.policies import LEARNED, get_policy
 from services.compute.prefix_cache import PrefixCache
 from services.compute.sampler import SamplingParams, make_generator, sample
 from services.compute.scheduler import Scheduler
-from services.compute.session_cache import SessionCache
+from services.compute.session_cache import SessionCache, SessionNotParked
 from services.compute.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,9 @@ class LLMEngine:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         sid = seq.sampling.session_id
         parked = self.sessions.claim(sid) if sid is not None and not seq.session_claim else None
+        if parked is None and seq.sampling.resume_session and not seq.session_claim:
+            # Never start fresh a turn tokenized as a continuation (it may have expired since the check).
+            raise SessionNotParked(f"session {sid!r} is no longer parked here")
         if parked is not None:
             context = parked.tokens + seq.prompt_ids
             if len(context) + seq.sampling.max_tokens > self.max_model_len:

@@ -24,6 +24,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     session_id: str | None = None   # park the KV at finish; continue a parked session
+    resume_session: bool = False    # must continue a parked session: admission raises SessionNotParked if none
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

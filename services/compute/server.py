@@ -59,7 +59,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype_name(cfg.dtype, device)
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
-                          num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs)
+                          num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
+                          session_ttl_s=cfg.session_kv_ttl_s)
         if cfg.max_model_len is not None:
             ec.max_model_len = cfg.max_model_len
         if cfg.cache_manager_address:
@@ -100,17 +101,26 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         from services.compute.async_engine import EngineError
         from services.compute.engine import EvictionParams, SamplingParams
+        from services.compute.session_cache import SessionNotParked
 
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         eng = self.engine.engine
         sid = request.session_id or None
-        if sid and request.prompt_token_ids:
+        history = list(request.history_token_ids) if sid else []
+        if sid and (request.prompt_token_ids or history):
             # A re-prefill from the stored history replaces whatever KV this replica parked.
             await asyncio.to_thread(self.engine.drop_session, sid)
         # A parked session continues after `held` tokens: the turn's text gets no second BOS.
-        held = await asyncio.to_thread(self.engine.session_tokens, sid) if sid and not request.prompt_token_ids else 0
-        ids = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt, add_bos=not held)
+        fresh = not sid or request.prompt_token_ids or history
+        held = 0 if fresh else await asyncio.to_thread(self.engine.session_tokens, sid)
+        if request.continue_session and not fresh and not held:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"session {sid!r} has no KV parked on replica {self.replica_id} "
+                                "(expired or dropped): re-prefill it from its history")
+        turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
+                                                                     add_bos=not (held or history))
+        ids = history + turn
         limit = eng.max_model_len
         if held + len(ids) >= limit:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -122,7 +132,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             # Room left in the model's length ends the stream with "length", not an error.
             max_tokens=max(1, min(s.max_tokens, limit - held - len(ids))), temperature=s.temperature, top_p=s.top_p,
             top_k=s.top_k, seed=s.seed if s.has_seed else None, repetition_penalty=s.repetition_penalty,
-            stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+            stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
+            # Tokenized as a continuation: if the session expires before admission, fail, never start fresh.
+            resume_session=held > 0)
         ev = request.eviction
         which = ev.WhichOneof("budget")
         budget = ev.budget_tokens if which == "budget_tokens" else ev.budget_fraction if which else None
@@ -147,7 +159,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     timer.finish(out.finish_reason or "")
                 resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
                 if first:
-                    resp.prompt_token_ids.extend(ids)
+                    resp.prompt_token_ids.extend(turn)
                     first = False
                 r = resp.response
                 if out.token_id is not None or out.text_delta:
@@ -170,10 +182,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     u = out.usage
                     if u is not None:
                         r.finished.usage.CopyFrom(generate_pb2.Usage(
-                            prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                            prompt_tokens=u.prompt_tokens - len(history), completion_tokens=u.completion_tokens,
                             kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
-                            policy=u.policy, fallback_evictions=u.fallback_evictions))
+                            policy=u.policy, fallback_evictions=u.fallback_evictions,
+                            session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history)))
                 yield resp
+        except SessionNotParked as e:
+            timer.fail("FAILED_PRECONDITION")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{e} (replica {self.replica_id}): re-prefill it from its history")
         except ValueError as e:
             code = grpc.StatusCode.ALREADY_EXISTS if "already running" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
             timer.fail(code.name)

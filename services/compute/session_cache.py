@@ -18,6 +18,11 @@ from services.compute.kv_pool import KVPool
 from services.compute.sequence import Sequence
 
 
+class SessionNotParked(ValueError):
+    """A turn that must continue a parked session found none (expired or dropped
+    since it was checked): the caller re-prefills from the session's history."""
+
+
 class SessionCache:
     def __init__(self, pool: KVPool, ttl_s: float, clock=time.monotonic):
         self.pool, self.ttl_s, self.clock = pool, ttl_s, clock

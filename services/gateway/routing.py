@@ -138,9 +138,10 @@ class Router:
                 tried.add(target.replica_id)
                 last = e
 
-    def open(self, request, timeout: float | None = None,
-             session_replica: str | None = None) -> "RoutedStream":
-        return RoutedStream(self, request, timeout, session_replica)
+    def open(self, request, timeout: float | None = None, session_replica: str | None = None,
+             exclude: frozenset[str] | set[str] = frozenset(), pinned: Target | None = None) -> "RoutedStream":
+        """`exclude`: replica ids not to use; `pinned`: this replica only (no move on refusal)."""
+        return RoutedStream(self, request, timeout, session_replica, exclude, pinned)
 
     async def close(self) -> None:
         for ch, _ in self._channels.values():
@@ -156,13 +157,16 @@ class RoutedStream:
     refused, or the last replica's AioRpcError. `aclose()` (or leaving the
     iteration early) cancels the compute call, which frees its sequence."""
 
-    def __init__(self, router: Router, request, timeout: float | None, session_replica: str | None):
+    def __init__(self, router: Router, request, timeout: float | None, session_replica: str | None,
+                 exclude: frozenset[str] | set[str] = frozenset(), pinned: Target | None = None):
         self.router = router
         self.request = request
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.session_replica = session_replica
+        self.pinned = pinned
         self.target: Target | None = None
-        self.tried: list[str] = []
+        self.tried: list[str] = list(exclude)
+        self.started = False        # a response came: the request can no longer move
         self._gen = self._stream()
 
     def __aiter__(self):
@@ -173,18 +177,17 @@ class RoutedStream:
 
     async def _stream(self) -> AsyncIterator:
         while True:
-            self.target = target = await self.router.pick(self.session_replica, set(self.tried))
+            self.target = target = self.pinned or await self.router.pick(self.session_replica, set(self.tried))
             timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
             call = target.stub.Generate(self.request, timeout=timeout)
-            started = False
             try:
                 with self.router.track(target):
                     async for resp in call:
-                        started = True
+                        self.started = True
                         yield resp
                 return
             except grpc.aio.AioRpcError as e:
-                if started or e.code() not in RETRYABLE:
+                if self.started or e.code() not in RETRYABLE or self.pinned is not None:
                     raise
                 self.tried.append(target.replica_id)
                 log.warning("replica %s (%s) refused %s: %s; trying another", target.replica_id,

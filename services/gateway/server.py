@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 
@@ -21,16 +22,18 @@ from kvpop.pb import compute_pb2, generate_pb2, generate_pb2_grpc
 from kvpop.prewarm import PrewarmCounter
 from kvpop.redis_client import RedisUnavailable, connect
 from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
-from kvpop.store import SessionStore, Turn
+from kvpop.store import Session, SessionStore, Turn
 from services.gateway.decoding import Malformed, add_kvpop_servicer
 from services.gateway.limits import StreamLimiter, client_key
 from services.gateway.routing import Router
+from services.gateway.sessions import HistoryUnavailable, SessionTurn
 from services.gateway.validation import Invalid, validate
 
 log = logging.getLogger(__name__)
 
 # Statuses from compute that mean "compute is not there"; the rest pass through.
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+MAX_OWNERS = 100_000     # sessions whose last replica this gateway remembers
 _FINISH_WORDS = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_EOS: "eos",
                  generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_ABORTED: "aborted"}
 
@@ -47,20 +50,36 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         self.info: compute_pb2.InfoResponse | None = None
         self.streams = StreamLimiter(cfg.max_streams_per_client)
         self._background: set[asyncio.Task] = set()
+        self._recording: dict[str, asyncio.Task] = {}      # session id -> its last turn being stored
+        # Session id -> replica that served its last turn here: affinity while Redis is unreadable.
+        self._owners: OrderedDict[str, str] = OrderedDict()
 
     async def fetch_info(self, timeout: float = 5.0) -> compute_pb2.InfoResponse:
         self.info = await self.router.info(timeout=timeout)
         return self.info
 
-    async def _session_replica(self, session_id: str) -> str | None:
-        """The replica holding the session's KV, for affinity (None if unknown)."""
-        if not session_id or self.store is None:
+    async def _session(self, session_id: str) -> Session | None:
+        """The session's record (None: new, or unreadable while Redis is down)."""
+        if self.store is None:
             return None
+        await self._recorded(session_id)
         try:
-            session = await self.store.get(session_id)
+            return await self.store.get(session_id)
         except RedisUnavailable:
             return None
-        return session.replica if session is not None else None
+
+    async def _recorded(self, session_id: str) -> None:
+        """Wait (briefly) until the session's previous turn is stored or queued:
+        the next turn reads its owner and history from the store."""
+        task = self._recording.get(session_id)
+        if task is not None:
+            await asyncio.wait({task}, timeout=2.0)
+
+    async def _history(self, session_id: str) -> list[int]:
+        if self.store is None:
+            raise RedisUnavailable("no session store (KVPOP_REDIS_URL is not set)")
+        await self._recorded(session_id)
+        return await self.store.token_history(session_id)
 
     async def _count_prefixes(self, prompt: str) -> None:
         try:
@@ -105,8 +124,11 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         remaining = context.time_remaining()
         if self.prewarm is not None:
             self._spawn(self._count_prefixes(request.prompt))
-        # Moves to another replica while nothing was streamed; see routing.py.
-        call = self.router.open(creq, remaining, await self._session_replica(request.session_id))
+        sid = request.session_id
+        # Moves to another replica while nothing was streamed (routing.py); a session
+        # continues its resident KV or is re-prefilled from its history (sessions.py).
+        call = SessionTurn(self.router, creq, remaining, await self._session(sid), self._owners.get(sid),
+                           lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
         text, ids, prompt_ids, finish = [], [], [], ""
         timer = get_metrics().request()
         try:
@@ -129,6 +151,9 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         except NoReplicaAvailable as e:
             timer.fail("UNAVAILABLE")
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"no compute replica can take the request: {e}")
+        except HistoryUnavailable as e:
+            timer.fail("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except grpc.aio.AioRpcError as e:
             code = e.code()
             timer.fail(code.name)
@@ -149,7 +174,14 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                         prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
             replica = call.target.replica_id if call.target and call.target.replica_id != Router.STATIC \
                 else (self.info.replica_id if self.info else "")
-            self._spawn(self._record(request.session_id, turn, creq.eviction, replica))
+            self._owners[sid] = replica
+            self._owners.move_to_end(sid)
+            if len(self._owners) > MAX_OWNERS:
+                self._owners.popitem(last=False)
+            task = self._spawn(self._record(sid, turn, creq.eviction, replica))
+            self._recording[sid] = task
+            task.add_done_callback(lambda t: self._recording.pop(sid, None) if self._recording.get(sid) is t
+                                   else None)
 
     async def _record(self, session_id: str, turn: Turn, ev: compute_pb2.Eviction, replica: str) -> None:
         which = ev.WhichOneof("budget")
@@ -159,10 +191,11 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         await self.store.record_turn(session_id, turn, model=info.model.name if info else "",
                                      replica=replica, budget=budget)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def close(self) -> None:
         for t in list(self._background):

@@ -33,13 +33,14 @@ class Replicas:
         self.procs: dict[str, subprocess.Popen] = {}
         self.addresses: dict[str, str] = {}
 
-    def start(self, rid: str) -> None:
+    def start(self, rid: str, **extra_env: str) -> None:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
         env.update(KVPOP_COMPUTE_PORT=str(port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=self.redis.url,
                    KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_REPLICA_ID=rid, KVPOP_DEVICE="cpu",
                    KVPOP_MAX_MODEL_LEN="512", KVPOP_NUM_PAGES="4096", KVPOP_LOG_LEVEL="WARNING",
                    KVPOP_GRACE_S="30", OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(REPO))
+        env.update(extra_env)
         log = open(self.tmp / f"{rid}.log", "w")
         self.procs[rid] = subprocess.Popen([sys.executable, "-m", "services.compute"], env=env, cwd=REPO,
                                            stdout=log, stderr=subprocess.STDOUT)
