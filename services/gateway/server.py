@@ -4,6 +4,8 @@ Cancellation and deadlines propagate: the compute call carries the client's
 remaining time and is cancelled when the client goes away, so compute aborts
 the sequence. Sessions are written to Redis after the stream, off the
 response path: a Redis outage delays them (queued, retried), never a stream.
+A session's turn continues its resident KV or is re-prefilled from its stored
+history (sessions.py).
 """
 from __future__ import annotations
 
@@ -129,7 +131,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         # continues its resident KV or is re-prefilled from its history (sessions.py).
         call = SessionTurn(self.router, creq, remaining, await self._session(sid), self._owners.get(sid),
                            lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
-        text, ids, prompt_ids, finish = [], [], [], ""
+        text, ids, prompt_ids, finish, session = [], [], [], "", ""
         timer = get_metrics().request()
         try:
             async for resp in call:
@@ -144,6 +146,10 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                     finish = _FINISH_WORDS.get(r.finished.finish_reason, r.finished.finish_reason_text)
                     u = r.finished.usage
                     timer.finish(finish, u.prompt_tokens, u.completion_tokens)
+                    if sid:
+                        session = (f", session {sid} resumed" if u.session_resumed else
+                                   f", session {sid} re-prefilled {u.reprefilled_tokens} tokens"
+                                   if u.reprefilled_tokens else f", session {sid} started")
                 yield r
         except asyncio.CancelledError:
             timer.fail("cancelled")
@@ -167,17 +173,18 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Client cancelled or deadline hit: tell compute so it frees the sequence now.
             await call.aclose()
-        log.info("request %s: %s, %d tokens, policy %s, %.0f ms", creq.request_id, finish or "no final message",
-                 len(ids), creq.eviction.policy, 1000 * (time.perf_counter() - timer.start))
-        if request.session_id and self.store is not None:
-            turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
-                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
+        log.info("request %s: %s, %d tokens, policy %s, %.0f ms%s", creq.request_id, finish or "no final message",
+                 len(ids), creq.eviction.policy, 1000 * (time.perf_counter() - timer.start), session)
+        if sid:
             replica = call.target.replica_id if call.target and call.target.replica_id != Router.STATIC \
                 else (self.info.replica_id if self.info else "")
             self._owners[sid] = replica
             self._owners.move_to_end(sid)
             if len(self._owners) > MAX_OWNERS:
                 self._owners.popitem(last=False)
+        if sid and self.store is not None:
+            turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
+                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
             task = self._spawn(self._record(sid, turn, creq.eviction, replica))
             self._recording[sid] = task
             task.add_done_callback(lambda t: self._recording.pop(sid, None) if self._recording.get(sid) is t
