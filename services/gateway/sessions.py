@@ -39,7 +39,7 @@ class HistoryUnavailable(RuntimeError):
 
 class SessionTurn:
     """Iterate for ComputeResponse messages, like RoutedStream; `target` is the
-    replica that served (or last failed), `reprefilled` whether the history was sent."""
+    replica that served (or last failed)."""
 
     def __init__(self, router: Router, request: compute_pb2.ComputeRequest, timeout: float | None,
                  session: Session | None, last_owner: str | None,
@@ -48,7 +48,6 @@ class SessionTurn:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.last_owner = last_owner
         self.history = history
-        self.reprefilled = False
         self.call: RoutedStream | None = None
         self._gen = self._stream()
 
@@ -107,7 +106,6 @@ class SessionTurn:
         req = compute_pb2.ComputeRequest()
         req.CopyFrom(self.request)
         req.history_token_ids.extend(history)
-        self.reprefilled = bool(history)
         async for r in self._open(req, prefer, exclude):
             yield r
 
