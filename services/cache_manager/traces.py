@@ -36,6 +36,7 @@ class TraceConfig:
     snapshots: int = 16          # decision times sampled per sequence
     query_chunk: int = 256
     target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)
+    decode_only: bool = False    # the horizon counts generated positions only (what decoding will need)
 
 
 def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
@@ -130,11 +131,12 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
         vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[blocks]
         km[:, layer], vn[:, layer] = kb.numpy(), vb.numpy()
         for i, (t, k_) in enumerate(zip(pick, nk)):
-            e = min(T, t + cfg.horizon)
+            s0 = max(t, prompt_len) if cfg.decode_only else t
+            e = min(T, s0 + cfg.horizon)
             if peak is not None:
-                fut = peak[:, t:e, :k_].amax(1)
+                fut = peak[:, s0:e, :k_].amax(1)
             else:
-                fut = (C[:, e, blocks[:k_]] - C[:, t, blocks[:k_]]) / (e - t)   # [Hq, k]
+                fut = (C[:, e, blocks[:k_]] - C[:, s0, blocks[:k_]]) / (e - s0)   # [Hq, k]
             targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
 
     rec = _Recorder(on_layer, cfg.query_chunk)

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="future queries that define a block's importance (1024: the rest of a task sequence, as KVpop)")
     p.add_argument("--target", choices=("mean", "max"), default="mean",
                    help="aggregate of a block's attention over the horizon's queries")
+    p.add_argument("--decode-only", action="store_true",
+                   help="targets count only generated positions' attention (not the rest of the prompt)")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
     p.add_argument("--min-len", type=int, default=256, help="shortest traced prompt")
     p.add_argument("--max-len", type=int, default=1280, help="longest traced prompt")
@@ -286,7 +288,7 @@ def run(args) -> int:
         print(f"loaded {len(data)} traces from {cache}")
     else:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
-                              target=args.target)
+                              target=args.target, decode_only=args.decode_only)
                    for b in bss for r in recents]
         data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
         if cache is not None:
@@ -302,8 +304,8 @@ def run(args) -> int:
     history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0)
     ev = evaluate(net, val_data)
     cfg.trained = {"model": str(model_dir), "traces": len(data), "steps": history[-1][0] if history else 0,
-                   "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon, "target": args.target,
-                   "held_out": ev}
+                   "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
+                   "target": args.target, "decode_only": args.decode_only, "held_out": ev}
     save(net, out)
     png = out.with_name(out.stem + "_loss.png")
     plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)
