@@ -29,8 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder")
 
 
-def _learned_available(model_dir: Path) -> bool:
-    return any((model_dir / name).exists() for name in ("estimator", "estimator.pt", "estimator.safetensors"))
+ESTIMATOR = "estimator.safetensors"   # the cache-manager's checkpoint next to the model
 
 
 def run(args) -> int:
@@ -63,8 +62,8 @@ def run(args) -> int:
     if any(not 0.0 < c < 1.0 for c in comps):
         print("compressions must be in (0, 1)")
         return 2
-    if "learned" in policies and not _learned_available(model_dir):
-        print(f"note: no estimator checkpoint next to {model_dir}; skipping the 'learned' policy")
+    if "learned" in policies and not (model_dir / ESTIMATOR).is_file():
+        print(f"note: no {ESTIMATOR} in {model_dir}; skipping the 'learned' policy")
         policies.remove("learned")
     n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
     if args.quick:

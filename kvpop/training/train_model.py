@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--tokens-per-batch", type=int, default=2048)
     p.add_argument("--advance-at", type=float, default=0.9, help="solved fraction (every family) that advances the curriculum")
+    p.add_argument("--patience", type=int, default=400, help="steps after which a stage may advance on the mean solved fraction")
+    p.add_argument("--decay-frac", type=float, default=0.15, help="final fraction of --minutes with a linear LR decay")
     p.add_argument("--window", type=int, default=64, help="sequences per family the solved fraction is measured over")
     p.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds between checkpoints")
     p.add_argument("--seed", type=int, default=0)
@@ -151,7 +153,9 @@ def run(args) -> int:
 
     while state["step"] < args.max_steps and time.time() - t0 < args.minutes * 60:
         step = state["step"]
-        lr = args.lr * min(1.0, (step + 1) / args.warmup)
+        # Warmup, constant, then a linear decay over the last --decay-frac of the time budget.
+        left = 1.0 - (time.time() - t0) / (args.minutes * 60)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * max(0.1, min(1.0, left / args.decay_frac))
         for g in opt.param_groups:
             g["lr"] = lr
         hi = STAGES[state["stage"]]
@@ -182,9 +186,16 @@ def run(args) -> int:
         for f, o in zip(fams, ok):
             (solved[f] if f in solved else copy_rate).append(bool(o))
         rate = {f: (sum(v) / len(v) if v else 0.0) for f, v in solved.items()}
+        # Advance when every family is solved, or (so that one slow family does not
+        # hold the others at short lengths) when the mean is and the stage is old.
+        stage_steps = step - state.setdefault("stage_start", step)
         if (state["stage"] < len(STAGES) - 1 and all(len(v) == v.maxlen for v in solved.values())
-                and min(rate.values()) >= args.advance_at and length >= hi // 2):
+                and length >= hi // 2
+                and (min(rate.values()) >= args.advance_at
+                     or (sum(rate.values()) / len(rate) >= args.advance_at - 0.05
+                         and stage_steps >= args.patience))):
             state["stage"] += 1
+            state["stage_start"] = step
             for v in solved.values():
                 v.clear()
             tqdm.write(f"step {step}: curriculum -> max length {STAGES[state['stage']]}")
