@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES)
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
-    p.add_argument("--n", type=int, default=24, help="test instances per family")
+    p.add_argument("--n", type=int, default=16, help="test instances per family")
     p.add_argument("--seed", type=int, default=0, help="test-set seed (inside the test seed range)")
     p.add_argument("--min-len", type=int, default=None, help="shortest prompt (default: the standard test set's)")
     p.add_argument("--max-len", type=int, default=None, help="longest prompt")

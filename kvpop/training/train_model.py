@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds between checkpoints")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-aux", type=int, default=1, help="1: add the training-only copy sequences to every batch")
+    p.add_argument("--export", default=None, help="also save the final model here (e.g. models/default)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (slower steps, no compile wait)")
 
 
@@ -211,6 +212,10 @@ def run(args) -> int:
     save()
     bar.close()
     logf.close()
+    if args.export:
+        from services.compute.loader import save_model
+        save_model(model, args.export, out / "tokenizer.json")
+        print(f"exported to {args.export}")
     print(f"done: step {state['step']}, {state['elapsed'] / 60:.1f} min; model in {out / 'model'}")
     return 0
 
