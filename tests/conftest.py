@@ -1,75 +1,10 @@
 """Shared fixtures: a real redis-server on a free port that a test can stop
-and restart, and the repository root."""
+and restart."""
 from __future__ import annotations
-
-import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server child process; restart() keeps the port and the data dir."""
-
-    def __init__(self, port: int | None = None, persist: bool = True):
-        self.port = port or free_port()
-        self.dir = tempfile.mkdtemp(prefix="kvpop-redis-")
-        self.persist = persist
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server not found: run scripts/setup.sh")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--save", "", "--logfile", os.path.join(self.dir, "redis.log")]
-        # appendonly so a restart keeps sessions, like the compose deployment.
-        args += ["--appendonly", "yes" if self.persist else "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not answer PING within 10 s")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def cleanup(self) -> None:
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+from helpers_common import REPO, RedisServer, free_port  # noqa: F401  (re-exported)
 
 
 @pytest.fixture

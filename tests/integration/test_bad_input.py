@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import compute_info, wait_until
+from stack_helpers import compute_info, wait_until
 from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT
 from kvpop.pb import generate_pb2, generate_pb2_grpc

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 
-from conftest import compute_info
+from stack_helpers import compute_info
 from kvpop.paths import DEFAULT_MODEL_DIR
 from kvpop.pb import generate_pb2
 from services.compute.engine import EngineConfig, LLMEngine, SamplingParams

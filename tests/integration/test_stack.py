@@ -10,7 +10,7 @@ import threading
 
 import grpc
 
-from conftest import BLOCK_SIZE, compute_info, stack_env, wait_until
+from stack_helpers import BLOCK_SIZE, compute_info, stack_env, wait_until
 import redis
 
 from kvpop.launcher import restart_service

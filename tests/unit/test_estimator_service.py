@@ -17,7 +17,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import REPO, free_port
+from helpers_common import REPO, free_port
 from helpers_engine import one_thread, random_prompt, tiny_engine, tiny_model  # noqa: F401
 from kvpop.arrays import from_int_array, to_float_array
 from kvpop.pb import cache_manager_pb2 as pb
