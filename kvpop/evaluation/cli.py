@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
     p.add_argument("--out", required=True, help="output folder")
 

@@ -41,10 +41,14 @@ class Builder:
         self.depends: list[int] = []
 
     def add(self, *words: str, mark: bool = False) -> None:
+        """mark: the answer needs these words, and the one after them: the trained
+        model reads a key/value pair from the position that follows it (a
+        pair's successor carries it two tokens back), so an oracle without it
+        fails (measured in docs/evaluation.md)."""
         start = len(self.words) + 1
         self.words.extend(words)
         if mark:
-            self.depends.extend(range(start, start + len(words)))
+            self.depends.extend(i for i in range(start, start + len(words) + 1) if i not in self.depends)
 
     def filler(self, n: int) -> None:
         self.words.extend(self.rng.choice(FILLER) for _ in range(max(0, n)))

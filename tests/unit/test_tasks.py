@@ -45,7 +45,7 @@ def test_answer_depends_on_marked_positions():
     line = [words[p] for p in inst.depends]
     assert line[1] == ":=" and line[2] == inst.answer
     pk = generate("passkey", 99, 700)
-    assert [(["<s>"] + pk.prompt.split())[p] for p in pk.depends] == ["key"] + pk.answer.split()
+    assert [(["<s>"] + pk.prompt.split())[p] for p in pk.depends] == ["key"] + pk.answer.split() + ["."]
 
 
 def test_train_and_test_seeds_are_disjoint():
