@@ -114,5 +114,5 @@ def kl_to_dense(dense: list[torch.Tensor], other: list[torch.Tensor]) -> list[fl
     """KL(dense || other) per teacher-forced position."""
     out = []
     for p, q in zip(dense, other):
-        out.append(float((p.exp() * (p - q)).sum()))
+        out.append(max(0.0, float((p.exp() * (p - q)).sum())))  # >= 0; float error can dip below
     return out
