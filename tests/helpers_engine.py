@@ -10,7 +10,7 @@ from services.compute.engine import EngineConfig, LLMEngine
 from services.compute.model import TransformerModel
 from services.compute.model_config import ModelConfig
 
-VOCAB = 259  # the byte-level tokenizer of models/default
+VOCAB = 259  # the placeholder's byte-level tokenizer (kvpop.default_model)
 
 
 
@@ -40,9 +40,16 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB, layers: int = 2, heads: int = 
 
 
 def default_tokenizer():
-    from kvpop.paths import DEFAULT_MODEL_DIR
+    """The placeholder's byte-level tokenizer (any text encodes), built fresh:
+    models/default holds the trained task model's word-level one."""
+    import tempfile
+    from pathlib import Path
+
+    from kvpop.default_model import build_tokenizer
     from services.compute.tokenizer import Tokenizer
-    return Tokenizer(DEFAULT_MODEL_DIR)
+    folder = Path(tempfile.mkdtemp(prefix="kvpop-tok-"))
+    build_tokenizer().save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
 
 
 def tiny_engine(model=None, tokenizer=None, advisor=None, **config) -> LLMEngine:

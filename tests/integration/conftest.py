@@ -23,9 +23,17 @@ def otlp():
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory, otlp) -> Stack:
+def placeholder_model(tmp_path_factory):
+    # These tests rely on the placeholder's byte-level tokenizer (any text is
+    # valid, one token per byte); models/default is the trained task model.
+    from kvpop.default_model import build_placeholder
+    return build_placeholder(tmp_path_factory.mktemp("placeholder-model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, otlp, placeholder_model) -> Stack:
     env = stack_env(otlp.port)
-    st = start_stack(tmp_path_factory.mktemp("kvpop-stack"), env=env, timeout=120,
+    st = start_stack(tmp_path_factory.mktemp("kvpop-stack"), model=str(placeholder_model), env=env, timeout=120,
                      service_args={"compute": ["--block-size", str(BLOCK_SIZE), "--device", "cpu",
                                                "--num-pages", "8192"]})
     yield st

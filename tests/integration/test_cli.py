@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -13,7 +12,8 @@ import pytest
 
 from helpers_models import save_hf_model
 from kvpop.launcher import Proc
-from kvpop.paths import DEFAULT_MODEL_DIR, REPO_ROOT
+from kvpop.default_model import build_tokenizer
+from kvpop.paths import REPO_ROOT
 from kvpop.pb import generate_pb2, generate_pb2_grpc
 
 
@@ -27,7 +27,7 @@ def kvpop(*args, state_dir, timeout=180):
 def test_up_generate_down(tmp_path):
     model = tmp_path / "qwen2"
     save_hf_model(model, "qwen2", seed=1, vocab_size=259, max_position_embeddings=1024)
-    shutil.copy(DEFAULT_MODEL_DIR / "tokenizer.json", model / "tokenizer.json")   # byte-level, 259 ids
+    build_tokenizer().save(str(model / "tokenizer.json"))   # byte-level, 259 ids
     state = tmp_path / "state"
     up = kvpop("up", "--model", str(model), "--block-size", "8", "--timeout", "150", state_dir=state)
     assert up.returncode == 0, up.stderr

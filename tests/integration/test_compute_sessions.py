@@ -6,7 +6,6 @@ from __future__ import annotations
 import secrets
 
 from stack_helpers import compute_info
-from kvpop.paths import DEFAULT_MODEL_DIR
 from kvpop.pb import generate_pb2
 from services.compute.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -23,7 +22,7 @@ def _turn(gateway, sid, prompt):
     return ids, final
 
 
-def test_second_turn_continues_from_parked_kv(gateway, compute):
+def test_second_turn_continues_from_parked_kv(gateway, compute, placeholder_model):
     sid = "sess-" + secrets.token_hex(4)
     before = compute_info(compute).stats.extra
     first, _ = _turn(gateway, sid, "Alice has 3 apples.")
@@ -32,7 +31,7 @@ def test_second_turn_continues_from_parked_kv(gateway, compute):
     assert after["sessions_continued"] == before.get("sessions_continued", 0) + 1
     assert after["session_pages"] > 0
     # The turn's own tokens only (no BOS: it continues a conversation).
-    engine = LLMEngine(EngineConfig(str(DEFAULT_MODEL_DIR), max_model_len=256, max_num_seqs=1,
+    engine = LLMEngine(EngineConfig(str(placeholder_model), max_model_len=256, max_num_seqs=1,
                                     prefix_cache_fraction=0))
     tok = engine.tokenizer
     turn2 = tok.encode(" Bob gives her 2 more.", add_bos=False)
