@@ -163,7 +163,11 @@ def load_hf(args):
         raise SystemExit("kvpop bench engine needs `transformers` for the yardstick "
                          "(pip install transformers), or pass --skip-hf") from None
     dtype = getattr(torch, args.dtype)
-    return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    # generate() falls back to the model config's EOS when the generation
+    # config has none, so EOS is switched off in both (our side: ignore_eos).
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_decode(model, prompts, new_tokens: int, device: str) -> dict:
