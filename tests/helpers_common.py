@@ -69,3 +69,29 @@ class RedisServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``cond`` until it returns something truthy (returned) or fail
+    after ``timeout`` seconds naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def collect(stream):
+    """(token ids, text, Finished or None) of a public Generate stream."""
+    ids, text, final = [], [], None
+    for r in stream:
+        if r.HasField("chunk"):
+            assert final is None, "chunk after the final message"
+            ids.extend(r.chunk.token_ids)
+            text.append(r.chunk.text)
+        else:
+            final = r.finished
+    return ids, "".join(text), final

@@ -2,8 +2,8 @@
 `from conftest import ...` is ambiguous once several conftest modules exist."""
 from __future__ import annotations
 
-import time
 
+from helpers_common import wait_until  # noqa: F401  (re-exported)
 from kvpop.pb import compute_pb2
 
 BLOCK_SIZE = 8
@@ -23,12 +23,3 @@ def compute_info(compute) -> compute_pb2.InfoResponse:
     return compute.Info(compute_pb2.InfoRequest(), timeout=5)
 
 
-def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)

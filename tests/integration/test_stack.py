@@ -10,6 +10,7 @@ import threading
 
 import grpc
 
+from helpers_common import collect
 from stack_helpers import BLOCK_SIZE, compute_info, stack_env, wait_until
 import redis
 
@@ -23,16 +24,6 @@ def request(**kw) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(**kw)
 
 
-def collect(stream):
-    ids, text, final = [], [], None
-    for r in stream:
-        if r.HasField("chunk"):
-            assert final is None, "chunk after the final message"
-            ids.extend(r.chunk.token_ids)
-            text.append(r.chunk.text)
-        else:
-            final = r.finished
-    return ids, "".join(text), final
 
 
 def test_model_info_is_labelled(gateway):

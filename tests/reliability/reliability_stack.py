@@ -3,9 +3,9 @@ stack's settings, credentials, and small stream utilities."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
+from helpers_common import collect, wait_until  # noqa: F401  (re-exported)
 from kvpop.launcher import Stack
 from kvpop.paths import REPO_ROOT
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
@@ -32,28 +32,8 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
-def collect(stream):
-    """(token ids, text, Finished or None) of a Generate stream."""
-    ids, text, final = [], [], None
-    for r in stream:
-        if r.HasField("chunk"):
-            assert final is None, "chunk after the final message"
-            ids.extend(r.chunk.token_ids)
-            text.append(r.chunk.text)
-        else:
-            final = r.finished
-    return ids, "".join(text), final
 
 
 class SecureStack:
