@@ -35,6 +35,9 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise ValueError(f"cannot read {path}: {e}") from e
+        # Text a client sends is text: "<s>" in a prompt must not become the
+        # BOS token (nor any other control token); BOS is added by id.
+        self._tok.encode_special_tokens = True
         config = _read_json(folder / "config.json")
         gen = _read_json(folder / "generation_config.json")
         tok_cfg = _read_json(folder / "tokenizer_config.json")
