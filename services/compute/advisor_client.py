@@ -17,7 +17,7 @@ from collections import deque
 import grpc
 import torch
 
-from kvpop import security, telemetry
+from kvpop import security
 from kvpop.arrays import from_int_array, to_float_array
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc

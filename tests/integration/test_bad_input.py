@@ -8,7 +8,6 @@ import threading
 import time
 
 import grpc
-import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stack_helpers import compute_info, wait_until

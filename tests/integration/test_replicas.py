@@ -61,6 +61,17 @@ class Replicas:
                 p.kill()
 
 
+def gateway_env(redis_url: str, gw_port: int, log_level: str = "WARNING") -> dict[str, str]:
+    """A gateway routing over the Redis registry (its static compute address
+    points nowhere, so only registered replicas can serve)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
+    env.update(KVPOP_GATEWAY_PORT=str(gw_port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=redis_url,
+               KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_COMPUTE_ADDRESS=f"127.0.0.1:{free_port()}",
+               KVPOP_DEFAULT_POLICY="dense", KVPOP_LOG_LEVEL=log_level, OTEL_TRACES_EXPORTER="none",
+               PYTHONPATH=str(REPO))
+    return env
+
+
 def request(max_tokens: int) -> compute_pb2.ComputeRequest:
     return compute_pb2.ComputeRequest(
         request_id=uuid.uuid4().hex, prompt="the sky is blue . the grass is green .",
@@ -215,11 +226,7 @@ def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_se
 
     reps = Replicas(redis_server, tmp_path)
     gw_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
-    env.update(KVPOP_GATEWAY_PORT=str(gw_port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=redis_server.url,
-               KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_COMPUTE_ADDRESS=f"127.0.0.1:{free_port()}",
-               KVPOP_DEFAULT_POLICY="dense", KVPOP_LOG_LEVEL="WARNING", OTEL_TRACES_EXPORTER="none",
-               PYTHONPATH=str(REPO))
+    env = gateway_env(redis_server.url, gw_port)
     gw = None
     try:
         reps.start("r-a")

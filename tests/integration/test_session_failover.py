@@ -8,7 +8,6 @@ session record names the new replica."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,21 +20,14 @@ from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT as REPO
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
 from kvpop.store import session_key, turns_key
-from test_replicas import HEARTBEAT_S, Replicas, _serving
+from helpers_common import wait_until
+from test_replicas import Replicas, _serving, gateway_env
 
 pytestmark = pytest.mark.slow
 
 KV_TTL_S = 5.0          # replicas drop a session's KV after this long idle
 MAX_MODEL_LEN = 512
 N = 6                   # tokens per turn
-
-
-def wait_until(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 class Chat:
@@ -83,11 +75,7 @@ def test_sessions_continue_resident_kv_and_reprefill_when_it_is_gone(redis_serve
     reps = Replicas(redis_server, tmp_path)
     rep_env = dict(KVPOP_MODEL_DIR=str(model), KVPOP_SESSION_KV_TTL_S=str(KV_TTL_S))
     gw_port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
-    env.update(KVPOP_GATEWAY_PORT=str(gw_port), KVPOP_METRICS_PORT="-1", KVPOP_REDIS_URL=redis_server.url,
-               KVPOP_HEARTBEAT_S=str(HEARTBEAT_S), KVPOP_COMPUTE_ADDRESS=f"127.0.0.1:{free_port()}",
-               KVPOP_DEFAULT_POLICY="dense", KVPOP_LOG_LEVEL="INFO", OTEL_TRACES_EXPORTER="none",
-               PYTHONPATH=str(REPO))
+    env = gateway_env(redis_server.url, gw_port, log_level="INFO")
     gw = None
     rc = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
     try:

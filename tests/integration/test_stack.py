@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import signal
-import threading
 
 import grpc
 

@@ -9,7 +9,6 @@ runs out of pages; at the end, with sessions and cache dropped, every page is
 back with no reference left."""
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 import torch
