@@ -13,6 +13,19 @@ from pathlib import Path
 from kvpop.launcher import STATE_FILE, default_state_dir
 
 
+def decisions(u) -> str:
+    """For `learned`: who ranked the evicted blocks (the network's share first)."""
+    if u.policy != "learned" or not u.kv_blocks_evicted:
+        return ""
+    parts = [f"network {100 * u.network_evictions / u.kv_blocks_evicted:.1f}%"]
+    if u.advisor_heuristic_evictions:
+        parts.append(f"cache-manager heuristic {u.advisor_heuristic_evictions} (no estimator fits this model)")
+    if u.fallback_evictions:
+        why = ", ".join(f"{k} {v}" for k, v in sorted(u.fallback_reasons.items()))
+        parts.append(f"fallback {u.fallback_evictions}: {why}")
+    return " (" + "; ".join(parts) + ")"
+
+
 def gateway_address(args: argparse.Namespace) -> str:
     if args.address:
         return args.address
@@ -32,7 +45,8 @@ def build_request(args: argparse.Namespace):
     req = generate_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop or [], ignore_eos=args.ignore_eos,
                                        logprobs=args.logprobs, policy=args.policy or "",
                                        session_id=args.session or "", request_id=args.request_id or "")
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "sink_tokens",
+                 "recent_tokens"):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)
@@ -62,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--policy", help="eviction policy (default: the server's)")
     p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
+    p.add_argument("--sink-tokens", type=int, help="first positions never evicted (server default 4)")
+    p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 32)")
     p.add_argument("--session", help="session id (stored in Redis)")
     p.add_argument("--request-id")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
@@ -100,9 +116,8 @@ def run(args: argparse.Namespace) -> int:
                     rate = u.completion_tokens / dt if dt > 0 else 0.0
                     print(f"[{f.finish_reason_text or 'done'}] prompt {u.prompt_tokens} tok, completion "
                           f"{u.completion_tokens} tok, policy {u.policy}, kv blocks resident "
-                          f"{u.kv_blocks_resident} evicted {u.kv_blocks_evicted} (fallback "
-                          f"{u.fallback_evictions}), ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s",
-                          file=sys.stderr)
+                          f"{u.kv_blocks_resident} evicted {u.kv_blocks_evicted}{decisions(u)}, "
+                          f"ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s", file=sys.stderr)
         except grpc.RpcError as e:
             if first is not None:
                 sys.stdout.write("\n")

@@ -99,6 +99,9 @@ class ComputeConfig(ServerConfig):
                                  "most-counted prompt prefixes prefilled before SERVING (0 = none)")
     session_kv_ttl_s: float = setting("KVPOP_SESSION_KV_TTL_S", 600.0,
                                       "seconds an idle session keeps its parked KV on this replica")
+    plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 500.0,
+                                  "most a `learned` sequence waits for its eviction plan before compute's "
+                                  "fallback ranks (only that sequence waits)")
 
     def validate(self) -> None:
         super().validate()
@@ -106,6 +109,8 @@ class ComputeConfig(ServerConfig):
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0 and KVPOP_PREWARM_TOP_K >= 0")
         if self.session_kv_ttl_s <= 0:
             raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
+        if self.plan_wait_ms < 0:
+            raise ConfigError("KVPOP_PLAN_WAIT_MS must be >= 0")
         if self.block_size < 1:
             raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
         if self.max_num_seqs < 1:

@@ -15,7 +15,9 @@ prefix, base units, `_total` counters):
 | `kvpop_num_requests_running`, `kvpop_num_requests_waiting` | gauge | compute (engine stats) |
 | `kvpop_kv_pool_pages_used`, `_free`, `_total` | gauge | compute |
 | `kvpop_kv_evictions_total{policy}` | counter | compute (blocks evicted) |
-| `kvpop_kv_fallback_evictions_total` | counter | compute |
+| `kvpop_kv_fallback_evictions_total` | counter | compute (`learned` blocks ranked by compute's fallback) |
+| `kvpop_kv_evicted_blocks_total{policy,source,reason}` | counter | compute: `source` is `network` (the cache-manager's network), `advisor_heuristic` (its heuristic: no estimator fits), `local` (a heuristic policy), `fallback` with `reason` `no_plan`, `advisor_down`, `malformed_plan`, `shape_mismatch`, `cleanup` or `unranked` |
+| `kvpop_learned_sequences_held` | gauge | compute (learned sequences waiting for their plan now) |
 | `kvpop_prefix_cache_queries_total`, `kvpop_prefix_cache_hits_total` | counter | compute; hit rate = rate(hits) / rate(queries) |
 | `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round) |
 | `kvpop_service_info{service,version}` | gauge (1) | every service |
@@ -95,6 +97,11 @@ class Metrics:
         self.fallback_evictions = Counter(
             "kvpop_kv_fallback_evictions",
             "KV blocks evicted by the local fallback because no plan came in time.", registry=r)
+        self.evicted_blocks = Counter(
+            "kvpop_kv_evicted_blocks", "KV blocks evicted, by policy and by what ranked them.",
+            ["policy", "source", "reason"], registry=r)
+        self.held = Gauge("kvpop_learned_sequences_held",
+                          "Learned sequences held (alone) waiting for their eviction plan.", registry=r)
         self.prefix_queries = Counter("kvpop_prefix_cache_queries",
                                       "Requests looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter("kvpop_prefix_cache_hits",
@@ -123,7 +130,7 @@ class Metrics:
         change."""
         gauges = {"pages_used": self.pages_used, "pages_free": self.pages_free,
                   "pages_total": self.pages_total, "running": self.running,
-                  "waiting": self.waiting}
+                  "waiting": self.waiting, "held_for_plan": self.held}
         for key, gauge in gauges.items():
             if key in stats:
                 gauge.set(stats[key])
@@ -137,6 +144,9 @@ class Metrics:
                     self._advance(key, stats[key], counter)
             for policy, count in (stats.get("evictions") or {}).items():
                 self._advance(f"evictions/{policy}", count, self.evictions.labels(policy=policy))
+            for (policy, source, reason), count in (stats.get("evictions_by_source") or {}).items():
+                self._advance(f"evicted/{policy}/{source}/{reason}", count,
+                              self.evicted_blocks.labels(policy=policy, source=source, reason=reason))
 
     def _advance(self, key: str, value: float, counter) -> None:
         last = self._seen.get(key, 0.0)

@@ -82,3 +82,50 @@ def run_all(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, list]:
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
     raise AssertionError("engine did not finish")
+
+
+class ScriptedAdvisor:
+    """A test advisor: ranks every block it was told about by the attention it
+    had received when submitted (lowest first), covering every block it knows.
+    ``delay`` holds each plan back that many ``take_plans`` calls; ``silent``
+    never answers; ``connected=False`` is an advisor that is down."""
+
+    def __init__(self, delay: int = 0, silent: bool = False, connected: bool = True):
+        import threading
+        self.delay, self.silent, self.connected = delay, silent, connected
+        self.epoch, self.on_plan = 0, None
+        self._lock = threading.Lock()
+        self._blocks: dict[str, dict[int, torch.Tensor]] = {}
+        self._due: dict[str, int] = {}
+        self.submitted = 0
+        self.plans_sent = 0
+
+    def submit(self, features) -> None:
+        with self._lock:
+            for f in features:
+                self._blocks.setdefault(f.request_id, {})[f.block] = f.attention
+                self._due.setdefault(f.request_id, self.delay)
+                self.submitted += 1
+
+    def take_plans(self):
+        from services.compute.advisor import EvictionPlan
+        plans = {}
+        with self._lock:
+            for rid in list(self._due):
+                if self._due[rid] > 0:
+                    self._due[rid] -= 1
+                    continue
+                del self._due[rid]
+                if self.silent:
+                    continue
+                blocks = self._blocks[rid]
+                names = torch.tensor(sorted(blocks), dtype=torch.int32)
+                att = torch.stack([blocks[b] for b in sorted(blocks)], -1)   # [L, Hkv, n]
+                plans[rid] = EvictionPlan(rid, names[att.argsort(dim=-1, stable=True)], int(names.max()) + 1)
+                self.plans_sent += 1
+        return plans
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._blocks.pop(request_id, None)
+            self._due.pop(request_id, None)

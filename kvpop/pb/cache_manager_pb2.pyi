@@ -65,12 +65,16 @@ class AdvisorMessage(_message.Message):
     def __init__(self, features: _Optional[_Union[FeaturesBatch, _Mapping]] = ..., finished: _Optional[_Union[SequenceFinished, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class EvictionPlan(_message.Message):
-    __slots__ = ("request_id", "evict")
+    __slots__ = ("request_id", "evict", "covers", "ranker")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    COVERS_FIELD_NUMBER: _ClassVar[int]
+    RANKER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     evict: IntArray
-    def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ...) -> None: ...
+    covers: int
+    ranker: str
+    def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ..., covers: _Optional[int] = ..., ranker: _Optional[str] = ...) -> None: ...
 
 class AdvisorReply(_message.Message):
     __slots__ = ("plan",)

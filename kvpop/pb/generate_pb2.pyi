@@ -21,7 +21,7 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id")
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id", "sink_tokens", "recent_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,8 @@ class GenerateRequest(_message.Message):
     BUDGET_FRACTION_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -52,7 +54,9 @@ class GenerateRequest(_message.Message):
     budget_fraction: float
     session_id: str
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    sink_tokens: int
+    recent_tokens: int
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")
@@ -65,7 +69,14 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions", "session_resumed", "reprefilled_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions", "session_resumed", "reprefilled_tokens", "network_evictions", "advisor_heuristic_evictions", "fallback_reasons")
+    class FallbackReasonsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESIDENT_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +85,9 @@ class Usage(_message.Message):
     FALLBACK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_RESUMED_FIELD_NUMBER: _ClassVar[int]
     REPREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ADVISOR_HEURISTIC_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     kv_blocks_resident: int
@@ -82,7 +96,10 @@ class Usage(_message.Message):
     fallback_evictions: int
     session_resumed: bool
     reprefilled_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ..., session_resumed: _Optional[bool] = ..., reprefilled_tokens: _Optional[int] = ...) -> None: ...
+    network_evictions: int
+    advisor_heuristic_evictions: int
+    fallback_reasons: _containers.ScalarMap[str, int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ..., session_resumed: _Optional[bool] = ..., reprefilled_tokens: _Optional[int] = ..., network_evictions: _Optional[int] = ..., advisor_heuristic_evictions: _Optional[int] = ..., fallback_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "finish_reason_text", "usage")

@@ -3,9 +3,10 @@
 tests: deterministic, no gRPC, no timing.
 
 Each ``submit`` is answered at once with the plan the service would send for
-that batch; ``take_plans`` (the engine's next step boundary) hands it over.
-So with the engine, a plan is always exactly one step old, as it is with a
-cache-manager that keeps up.
+that batch; ``take_plans`` (the engine's next step boundary) hands it over,
+exactly as the remote client does when the cache-manager keeps up: the engine
+drives both through one protocol (a sequence needing a plan is held until
+the next step boundary, where this one always has it).
 """
 from __future__ import annotations
 
@@ -25,10 +26,21 @@ class EvictionPlan:
     """compute's EvictionPlan, by shape (services do not import each other)."""
     request_id: str
     evict: torch.Tensor           # [L, Hkv, k] block numbers, most evictable first
+    covers: int = 0
+    ranker: str = "network"
+    error: str = ""
+    received_step: int = -1
+
+    @property
+    def source(self) -> str:
+        return "network" if self.ranker == "network" else "advisor_heuristic"
 
 
 class LocalAdvisor:
-    synchronous = True   # plans exist when submit returns: the engine applies them in the same round
+    connected = True   # in process: never down
+    epoch = 0          # never loses its state
+    on_plan = None
+
     def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 1024, model=None):
         self.planner = Planner(checkpoint, max_plan_blocks, model=model)
         self._lock = threading.Lock()
@@ -55,9 +67,10 @@ class LocalAdvisor:
         with self._lock:
             for rid, records in by_request.items():
                 t0 = time.perf_counter()
-                evict = self.planner.apply(rid, records)
+                plan = self.planner.apply(rid, records)
                 self.score_seconds += time.perf_counter() - t0
-                self._plans[rid] = EvictionPlan(rid, torch.from_numpy(evict.astype("int32")))
+                self._plans[rid] = EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
+                                                plan.covers, plan.ranker)
                 self.plans_sent += 1
 
     def take_plans(self) -> dict[str, EvictionPlan]:

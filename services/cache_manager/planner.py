@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,13 @@ def resolve_checkpoint(setting: str | Path | None) -> Path | None:
         return None
     p = Path(setting)
     return p / CHECKPOINT_NAME if p.is_dir() else p
+
+
+@dataclass
+class Plan:
+    evict: np.ndarray    # [L, Hkv, k] block numbers, most evictable first
+    covers: int          # one past the highest block number known for the sequence
+    ranker: str          # "network" or "heuristic"
 
 
 class Planner:
@@ -82,9 +90,9 @@ class Planner:
     def policy_name(self) -> str:
         return "learned" if self.scorer is not None else self.heuristic.name
 
-    def apply(self, request_id: str, records: list[BlockRecord]) -> np.ndarray:
+    def apply(self, request_id: str, records: list[BlockRecord]) -> Plan:
         """Fold in a batch of features and rank every known block of the
-        sequence: [L, Hkv, k] block numbers, most evictable first. ValueError
+        sequence (most evictable first), saying what ranked them. ValueError
         for features inconsistent with the sequence's earlier ones."""
         for r in records:
             km, vn, att = np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention)
@@ -107,9 +115,11 @@ class Planner:
                 self._warned.add(shape)
                 log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
                             "for such sequences", self.loaded, shape)
+        ranker = "network"
         if scores is None:
-            scores = self.heuristic.score(seq)
-        return plan(seq, scores, self.max_plan_blocks)
+            scores, ranker = self.heuristic.score(seq), "heuristic"
+        blocks = seq.arrays()["block"]
+        return Plan(plan(seq, scores, self.max_plan_blocks), int(blocks.max()) + 1 if len(blocks) else 0, ranker)
 
     def drop(self, request_id: str) -> None:
         self.state.drop(request_id)

@@ -65,9 +65,10 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                key_mean=from_float_array(b.key_mean),
                                value_norm=from_float_array(b.value_norm),
                                attention=from_float_array(b.attention)) for b in batch.blocks]
-        evict = self.planner.apply(batch.request_id, records)
+        plan = self.planner.apply(batch.request_id, records)
         self.plans_sent += 1
-        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=batch.request_id, evict=to_int_array(evict)))
+        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=batch.request_id, evict=to_int_array(plan.evict),
+                                                    covers=plan.covers, ranker=plan.ranker))
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
         seen: set[str] = set()

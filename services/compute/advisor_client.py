@@ -3,9 +3,12 @@
 The engine thread calls `submit`, `take_plans` and `release`; none of them
 blocks: `submit`/`release` hand messages to the asyncio loop with
 `call_soon_threadsafe`, `take_plans` swaps a dict under a lock. The stream runs
-as a task on the server's loop and reconnects with backoff. While the
-cache-manager is absent, late or dead, messages are dropped and no plans come:
-the engine evicts with its local fallback policy (bounded by its slack).
+as a task on the server's loop and reconnects quickly (backoff capped at
+`MAX_BACKOFF_S`, gRPC's own reconnect backoff capped likewise, keepalive to
+notice a dead peer). While the cache-manager is absent (`connected` is False)
+messages are dropped and the engine evicts with its local fallback policy at
+once; each new stream bumps `epoch`, so the engine re-sends the features of
+its running sequences to the (possibly restarted) cache-manager.
 """
 from __future__ import annotations
 
@@ -21,11 +24,23 @@ from kvpop import security
 from kvpop.arrays import from_int_array, to_float_array
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
-from services.compute.eviction import BlockFeatures, EvictionPlan
+from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 4096   # messages waiting for the stream; the oldest go first when full
+MAX_BACKOFF_S = 0.25
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    # gRPC's own reconnect backoff defaults to 1 s growing to 120 s: a restarted
+    # cache-manager would wait that long for compute to come back.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(1000 * MAX_BACKOFF_S)),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 class AdvisorClient:
@@ -38,7 +53,10 @@ class AdvisorClient:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.connected = False
-        self.stats = {"features_sent": 0, "plans_received": 0, "reconnects": 0, "dropped": 0}
+        self.epoch = 0
+        self.on_plan = None
+        self.stats = {"features_sent": 0, "plans_received": 0, "reconnects": 0, "dropped": 0,
+                      "malformed_plans": 0}
 
     # ------------------------------------------------ engine thread side
     def set_context(self, request_id: str, carrier: dict[str, str]) -> None:
@@ -103,29 +121,33 @@ class AdvisorClient:
         p = reply.plan
         try:
             evict = torch.from_numpy(from_int_array(p.evict).copy())
+            plan = EvictionPlan(p.request_id, evict, p.covers, p.ranker or "network")
         except ValueError as e:
-            log.warning("ignoring malformed plan for %s: %s", p.request_id, e)
-            return
-        if evict.dim() != 3:
-            log.warning("ignoring plan for %s with shape %s", p.request_id, tuple(evict.shape))
-            return
+            # The sequence falls back now (reason malformed_plan) instead of waiting out its bound.
+            log.warning("malformed plan for %s: %s", p.request_id, e)
+            self.stats["malformed_plans"] += 1
+            plan = EvictionPlan(p.request_id, None, p.covers, p.ranker, error=MALFORMED_PLAN)
         with self._lock:
             # The newest plan wins; one for a finished request is ignored by the engine.
-            self._plans[p.request_id] = EvictionPlan(p.request_id, evict)
+            self._plans[p.request_id] = plan
         self.stats["plans_received"] += 1
+        if self.on_plan is not None:
+            self.on_plan()
 
     async def _run(self) -> None:
-        delay = 0.1
-        channel = security.aio_channel(self.address, options=[("grpc.max_receive_message_length", -1)])
+        delay = 0.05
+        channel = security.aio_channel(self.address, options=CHANNEL_OPTIONS)
         stub = pb_grpc.CacheManagerStub(channel)
         try:
             while True:
                 try:
                     await channel.channel_ready()
-                    call = stub.Advise(self._requests())
+                    self._outbox.clear()
+                    call = stub.Advise(self._requests(), wait_for_ready=True)
+                    self.epoch += 1         # before `connected`: the engine re-sends what this stream lacks
                     self.connected = True
-                    log.info("advisor stream to %s open", self.address)
-                    delay = 0.1
+                    log.info("advisor stream to %s open (epoch %d)", self.address, self.epoch)
+                    delay = 0.05
                     async for reply in call:
                         self._on_reply(reply)
                     log.warning("advisor stream to %s ended", self.address)
@@ -135,7 +157,7 @@ class AdvisorClient:
                 self._outbox.clear()
                 self.stats["reconnects"] += 1
                 await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
+                delay = min(2 * delay, MAX_BACKOFF_S)
         finally:
             self.connected = False
             await channel.close()

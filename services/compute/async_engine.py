@@ -33,6 +33,9 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = False
+        if self.engine.advisor is not None:
+            # A sequence held for its plan runs again as soon as the plan arrives.
+            self.engine.advisor.on_plan = self._wake.set
         self._thread = threading.Thread(target=self._loop, name="kvpop-engine", daemon=True)
         self._thread.start()
 
@@ -158,5 +161,10 @@ class AsyncEngine:
             if outputs is None:
                 self._wake.wait(0.5)
                 continue
+            if engine.idle:
+                # Every running sequence is held for its eviction plan: sleep until
+                # a plan arrives (on_plan) or the earliest wait runs out.
+                deadline = engine.next_plan_deadline()
+                self._wake.wait(0.05 if deadline is None else min(0.05, deadline + 1e-3))
             for out in outputs:
                 self._deliver(out.request_id, out)

@@ -22,9 +22,10 @@ from typing import Iterator
 
 import torch
 
-from services.compute.eviction import (EvictionAdvisor, EvictionParams, blocks_leaving_window,
-                                       drop_outside_window, eviction_round, resolve_eviction,
-                                       update_features)
+from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
+from services.compute.eviction import (EvictionParams, blocks_leaving_window, drop_outside_window,
+                                       eviction_round, overshoot, plan_problem, resident_block_features,
+                                       resolve_eviction, update_features, usable_plan)
 from services.compute.kv_pool import KVPool
 from services.compute.model_runner import ModelRunner
 from services.compute.policies import LEARNED, get_policy
@@ -52,8 +53,9 @@ class EngineConfig:
     prefill_chunk: int = 512
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
-    plan_slack_blocks: int = 2
-    fallback_policy: str = "h2o"          # local ranking for "learned" when plans are late
+    plan_slack_blocks: int = 2            # decode: blocks a learned sequence may run over while its plan comes
+    plan_wait_s: float = 0.5              # most a learned sequence is held for a plan before the fallback
+    fallback_policy: str = "h2o"          # local ranking for "learned" when no plan can be used
     prefix_cache_fraction: float = 0.1    # most of the pool the prefix cache may hold (0 = off)
     session_ttl_s: float = 600.0          # a parked session idle this long is dropped
 
@@ -67,6 +69,9 @@ class Usage:
     policy: str
     fallback_evictions: int
     session_tokens: int = 0               # context continued from a parked session (0: started fresh)
+    network_evictions: int = 0            # learned: blocks evicted on the network's plans
+    advisor_heuristic_evictions: int = 0  # learned: on plans the cache-manager ranked with its heuristic
+    fallback_reasons: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +86,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None             # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None
+    rounds: list = dataclasses.field(default_factory=list)   # eviction rounds since the last output
 
 
 class LLMEngine:
@@ -125,7 +131,9 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._ids = itertools.count()
         self.counters = Counter()
-        self.evictions_by_policy: Counter = Counter()
+        self.evictions_by_source: Counter = Counter()   # (policy, source, reason) -> blocks, finished requests
+        self.idle = True                                # the last step had nothing to run
+        self._advisor_failed = False
 
     # ------------------------------------------------------------ requests
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
@@ -190,6 +198,7 @@ class LLMEngine:
                 seq.prefix_blocks = parked.prefix_blocks  # (set now: admission reserves with it)
             seq.prompt_ids = context
             seq.tokens = list(context)
+            seq.advisor_epoch = -1   # a new request id: the advisor knows none of its blocks yet
         try:
             self.scheduler.add(seq)
         except ValueError:
@@ -316,11 +325,9 @@ class LLMEngine:
             if rid in self.seqs:
                 outputs.append(self._finish(self.seqs[rid], "abort", None, "", None))
         self._aborts.clear()
-        for rid, plan in (self._advise("take_plans") or {}).items():
-            seq = self.seqs.get(rid)
-            if seq is not None and seq.eviction.policy == LEARNED:
-                seq.pending_plan = plan
+        self._take_plans()
         batch = self.scheduler.schedule()
+        self.idle = not batch
         if not batch:
             return outputs
         logits, sampled = self.runner.run(batch)
@@ -348,31 +355,137 @@ class LLMEngine:
         return outputs
 
     def _advise(self, method: str, *args):
-        """Call the advisor; a failing advisor is like an absent one (the
-        fallback policy keeps memory bounded), never a failed request."""
+        """Call the advisor's ``method``; a failing advisor is like an absent
+        one (the fallback policy keeps memory bounded), never a failed request."""
         if self.advisor is None:
             return None
         try:
-            return getattr(self.advisor, method)(*args)
+            out = {"submit": self.advisor.submit, "take_plans": self.advisor.take_plans,
+                   "release": self.advisor.release}[method](*args)
+            self._advisor_failed = False
+            return out
         except Exception:
             self.counters["advisor_errors"] += 1
+            self._advisor_failed = True     # no plan will come from it: do not wait for one
             log.exception("eviction advisor %s failed", method)
             return None
+
+    # ------------------------------------------------------------ eviction
+    def _advisor_up(self) -> bool:
+        return (self.advisor is not None and not self._advisor_failed
+                and getattr(self.advisor, "connected", True))
+
+    def _take_plans(self) -> None:
+        """Top of a step: hand out the advisor's plans, re-send features to an
+        advisor that lost them, and run the learned rounds that can run now
+        (or must: their wait ran out), before anything is scheduled."""
+        learned = [s for s in self.scheduler.running if s.eviction.policy == LEARNED
+                   and s.eviction.budget_blocks is not None and s.num_blocks]
+        if self.advisor is not None:
+            step = self.counters["steps"]
+            for rid, plan in (self._advise("take_plans") or {}).items():
+                seq = self.seqs.get(rid)
+                if seq is not None and seq.eviction.policy == LEARNED:
+                    plan.received_step = step
+                    seq.pending_plan = plan
+            if self._advisor_up():
+                for seq in learned:
+                    self._sync_advisor(seq)
+        now = time.monotonic()
+        for seq in learned:
+            if seq.holding or overshoot(seq) > 0:
+                self._learned_round(seq, now)
+
+    def _sync_advisor(self, seq: Sequence) -> None:
+        """An advisor that restarted (or a session turn under a new request id)
+        knows none of the sequence's blocks: send the resident ones again."""
+        epoch = getattr(self.advisor, "epoch", 0)
+        if seq.advisor_epoch == epoch:
+            return
+        seq.advisor_epoch = epoch
+        feats = resident_block_features(seq)
+        if feats:
+            seq.submitted_at[seq.sent_upto] = self.counters["steps"]
+            self._advise("submit", feats)
+            self.counters["features_resent"] += len(feats)
+
+    def next_plan_deadline(self) -> float | None:
+        """Seconds until the earliest held sequence's plan wait runs out."""
+        held = [s.plan_wait_since for s in self.scheduler.running if s.holding]
+        if not held:
+            return None
+        return max(0.0, min(held) + self.config.plan_wait_s - time.monotonic())
 
     def _after_step(self, seq: Sequence) -> None:
         learned = seq.eviction.policy == LEARNED
         if learned or seq.policy.uses_keys:
             update_features(seq, self.pool)
-        if learned and self.advisor is not None:
+        if not learned:
+            if overshoot(seq) > 0:
+                self._round(seq, None, "")
+            return
+        if self._advisor_up():
+            self._sync_advisor(seq)
             feats = blocks_leaving_window(seq)
             if feats:
+                if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
+                    seq.submitted_at.clear()
+                seq.submitted_at[seq.sent_upto] = self.counters["steps"]
                 self._advise("submit", feats)
-                # An in-process advisor (evaluation) has the plan already: apply it this round.
-                if getattr(self.advisor, "synchronous", False):
-                    for rid, plan in (self._advise("take_plans") or {}).items():
-                        if rid in self.seqs:
-                            self.seqs[rid].pending_plan = plan
-        eviction_round(seq, self.pool)
+        else:
+            blocks_leaving_window(seq)   # advances sent_upto: re-sent in full when the advisor is back
+        self._learned_round(seq, time.monotonic())
+
+    def _learned_round(self, seq: Sequence, now: float) -> None:
+        """A learned sequence over its budget evicts on a fresh plan; without
+        one it keeps decoding within its slack, else it is held (alone) until
+        the plan comes or ``plan_wait_s`` passes; then the fallback ranks."""
+        over = overshoot(seq)
+        if over <= 0:
+            seq.plan_wait_since = None
+            return
+        plan = usable_plan(seq)
+        if plan is not None:
+            self._round(seq, plan, "")
+            return
+        reason = plan_problem(seq) or ("" if self._advisor_up() else ADVISOR_DOWN)
+        if not reason:
+            if over <= seq.eviction.slack_blocks and not seq.in_prefill:
+                return                       # pipelined: the plan has a few decode steps to come
+            if seq.plan_wait_since is None:
+                seq.plan_wait_since = now    # held from the next schedule on
+                return
+            if now - seq.plan_wait_since < self.config.plan_wait_s:
+                return
+            reason = NO_PLAN
+        self._round(seq, None, reason)
+
+    def _round(self, seq: Sequence, plan, reason: str) -> None:
+        before = Counter(seq.evictions)
+        eviction_round(seq, self.pool, plan, reason)
+        waited = seq.plan_wait_since
+        seq.plan_wait_since = None
+        delta = seq.evictions - before
+        if not delta:
+            return
+        step = self.counters["steps"]
+        event = {"blocks": sum(delta.values()), "step": step,
+                 "sources": ",".join(f"{src}:{why}" if why else src for src, why in sorted(delta))}
+        if plan is not None:
+            at = seq.submitted_at.get(plan.covers)
+            event["plan_age_steps"] = -1 if at is None else step - at
+            for k in [k for k in seq.submitted_at if k < plan.covers]:
+                del seq.submitted_at[k]
+        if waited is not None:
+            event["held_ms"] = round(1000 * (time.monotonic() - waited), 2)
+        if len(seq.rounds) < 256:
+            seq.rounds.append(event)
+        fell_back = sum(n for (src, _), n in delta.items() if src == FALLBACK)
+        if fell_back and not seq.fallback_warned:
+            seq.fallback_warned = True
+            why = sorted({r for (src, r) in delta if src == FALLBACK})
+            log.warning("request %s (learned): %d blocks evicted by the local fallback (%s); "
+                        "warned once per request", seq.request_id, fell_back, ",".join(why))
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
         p = seq.sampling
@@ -386,7 +499,9 @@ class LLMEngine:
             return self._finish(seq, "stop", tok, delta, logprob)
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return self._finish(seq, "length", tok, delta + self._flush(seq), logprob)
-        return StepOutput(seq.request_id, tok, delta, logprob, False, None)
+        out = StepOutput(seq.request_id, tok, delta, logprob, False, None, rounds=seq.rounds)
+        seq.rounds = []
+        return out
 
     # ------------------------------------------------------------ text
     def _detokenize(self, seq: Sequence, tok: int) -> tuple[str, bool]:
@@ -418,8 +533,11 @@ class LLMEngine:
 
     # ------------------------------------------------------------ finish
     def _finish(self, seq: Sequence, reason: str, tok, delta: str, logprob) -> StepOutput:
+        ev = seq.evictions
         usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.page_table.numel(),
-                      seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base)
+                      seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base,
+                      network_evictions=ev[(NETWORK, "")], advisor_heuristic_evictions=ev[("advisor_heuristic", "")],
+                      fallback_reasons={r: n for (src, r), n in ev.items() if src == FALLBACK})
         seq.finish_reason = reason
         sid = seq.sampling.session_id
         if seq.session_claim:            # finished before admission: the session stays parked
@@ -432,13 +550,14 @@ class LLMEngine:
         self.seqs.pop(seq.request_id, None)
         if seq.prewarm:
             return StepOutput(seq.request_id, tok, "", None, True, reason, usage)
+        rounds, seq.rounds = seq.rounds, []
         if seq.eviction.policy == LEARNED:
             self._advise("release", seq.request_id)
         self.counters["finished_requests"] += 1
         self.counters[f"finish_{reason}"] += 1
-        self.counters["fallback_evictions"] += seq.fallback_evictions
-        self.evictions_by_policy[seq.eviction.policy] += seq.evicted_blocks
-        return StepOutput(seq.request_id, tok, delta, logprob, True, reason, usage)
+        for (src, why), n in seq.evictions.items():
+            self.evictions_by_source[(seq.eviction.policy, src, why)] += n
+        return StepOutput(seq.request_id, tok, delta, logprob, True, reason, usage, rounds)
 
     def fail_all(self, reason: str = "error") -> list[StepOutput]:
         """Finish every request (used when a step raised: the loop lives on)."""
@@ -466,11 +585,13 @@ class LLMEngine:
     def stats(self) -> dict:
         # Finished requests' counts plus live ones': monotonic, and it includes
         # evictions made by cleanup shrinks between steps.
-        live_fallback = sum(s.fallback_evictions for s in self.seqs.values())
-        evictions = Counter(self.evictions_by_policy)
+        by_source = Counter(self.evictions_by_source)
         for s in self.seqs.values():
-            if s.eviction.budget_blocks is not None:
-                evictions[s.eviction.policy] += s.evicted_blocks
+            for (src, why), n in s.evictions.items():
+                by_source[(s.eviction.policy, src, why)] += n
+        evictions = Counter()
+        for (policy, _, _), n in by_source.items():
+            evictions[policy] += n
         return {
             "pages_total": self.pool.capacity,
             "pages_used": self.pool.num_used,
@@ -480,7 +601,12 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "evictions": dict(evictions),
-            "fallback_evictions": self.counters["fallback_evictions"] + live_fallback,
+            "evictions_by_source": dict(by_source),
+            "fallback_evictions": sum(n for (_, src, _), n in by_source.items() if src == FALLBACK),
+            "network_evictions": sum(n for (_, src, _), n in by_source.items() if src == NETWORK),
+            "learned_evictions": sum(n for (p, _, _), n in by_source.items() if p == LEARNED),
+            "held_for_plan": sum(1 for s in self.scheduler.running if s.holding),
+            "features_resent": self.counters["features_resent"],
             "generated_tokens": self.counters["generated_tokens"],
             "prompt_tokens": self.counters["prompt_tokens"],
             "steps": self.counters["steps"],

@@ -1,4 +1,4 @@
-"""Eviction: request parameters, the eviction round, and the advisor protocol.
+"""Eviction: request parameters and the eviction round.
 
 Protection is decided here, once, for every policy: sink blocks, blocks that
 overlap the ``recent`` window and the newest (possibly partial) block are never
@@ -8,13 +8,13 @@ evicted. A round frees the same number of blocks in every (layer, kv-head) row
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from kernels import ops
+from services.compute.advisor import (CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED,
+                                      BlockFeatures, EvictionPlan)
 from services.compute.kv_pool import KVPool
 from services.compute.policies import LEARNED, POLICY_NAMES
 from services.compute.sequence import EvictionState, Sequence
@@ -72,85 +72,6 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
     return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack)
 
 
-def max_resident_blocks(state: EvictionState, total_tokens: int, block_size: int,
-                        prefill_chunk: int) -> int:
-    """The most blocks one row of a sequence can ever hold (pool reservation)."""
-    dense = math.ceil(total_tokens / block_size)
-    if state.budget_blocks is None:
-        return dense
-    # Between chunks a prefill holds the budget, during a chunk the chunk's blocks on top.
-    peak = state.budget_blocks + state.slack_blocks + math.ceil(prefill_chunk / block_size) + 1
-    return min(dense, peak)
-
-
-# ------------------------------------------------------------------ advisor
-@dataclass
-class BlockFeatures:
-    request_id: str
-    block: int                    # logical block number
-    position: int                 # first token position of the block
-    key_mean: torch.Tensor        # [L, Hkv, d]
-    value_norm: torch.Tensor      # [L, Hkv]
-    attention: torch.Tensor       # [L, Hkv] accumulated attention received so far
-    age: int                      # tokens since the block's first position
-
-
-@dataclass
-class EvictionPlan:
-    request_id: str
-    evict: torch.Tensor           # [L, Hkv, k] logical block numbers, most evictable first (-1 = pad)
-
-
-class EvictionAdvisor(Protocol):
-    def submit(self, features: list[BlockFeatures]) -> None: ...
-    def take_plans(self) -> dict[str, EvictionPlan]: ...
-    def release(self, request_id: str) -> None: ...
-
-
-class InProcessAdvisor:
-    """A minimal advisor: ranks every block it was told about by the attention
-    it had received when submitted (lowest first). Plans keep naming blocks
-    that compute already evicted, which compute must ignore. ``delay`` holds
-    each plan back that many ``take_plans`` calls; ``silent`` never answers."""
-
-    def __init__(self, delay: int = 0, silent: bool = False):
-        self.delay, self.silent = delay, silent
-        self._lock = threading.Lock()
-        self._blocks: dict[str, dict[int, torch.Tensor]] = {}
-        self._due: dict[str, int] = {}
-        self.submitted = 0
-        self.plans_sent = 0
-
-    def submit(self, features: list[BlockFeatures]) -> None:
-        with self._lock:
-            for f in features:
-                self._blocks.setdefault(f.request_id, {})[f.block] = f.attention
-                self._due.setdefault(f.request_id, self.delay)
-                self.submitted += 1
-
-    def take_plans(self) -> dict[str, EvictionPlan]:
-        plans = {}
-        with self._lock:
-            for rid in list(self._due):
-                if self._due[rid] > 0:
-                    self._due[rid] -= 1
-                    continue
-                del self._due[rid]
-                if self.silent:
-                    continue
-                blocks = self._blocks[rid]
-                names = torch.tensor(sorted(blocks), dtype=torch.int32)
-                att = torch.stack([blocks[b] for b in sorted(blocks)], -1)   # [L, Hkv, n]
-                plans[rid] = EvictionPlan(rid, names[att.argsort(dim=-1, stable=True)])
-                self.plans_sent += 1
-        return plans
-
-    def release(self, request_id: str) -> None:
-        with self._lock:
-            self._blocks.pop(request_id, None)
-            self._due.pop(request_id, None)
-
-
 # ------------------------------------------------------------------- rounds
 def protected_mask(seq: Sequence) -> torch.Tensor:
     """[L, Hkv, NB] bool: sink blocks, blocks overlapping the recent window, the newest block."""
@@ -199,10 +120,37 @@ def blocks_leaving_window(seq: Sequence) -> list[BlockFeatures]:
     return out
 
 
+def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
+    """Features of every evictable block already sent, for an advisor that
+    lost them (it restarted, or a session's next turn has a new request id).
+    Rows that evicted a block get zeros for it; compute ignores plans' names
+    of blocks a row no longer holds."""
+    st, bs, n = seq.eviction, seq.block_size, seq.num_cached
+    upto = seq.sent_upto
+    first = st.sink_blocks
+    if upto <= first:
+        return []
+    L, H, NB = seq.block_index.shape
+    span = upto - first
+    idx = (seq.block_index.long() - first)
+    ok = (idx >= 0) & (idx < span)
+    idx = torch.where(ok, idx, torch.full_like(idx, span))           # one scratch column for the rest
+    dev, d = seq.key_mean.device, seq.head_dim
+    km = torch.zeros(L, H, span + 1, d, device=dev).scatter_(2, idx[..., None].expand(L, H, NB, d), seq.key_mean.float())
+    vn = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.value_norm.float())
+    att = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.acc_mass.float())
+    held = torch.zeros(L, H, span + 1, dtype=torch.bool, device=dev).scatter_(2, idx, ok)
+    present = held[..., :span].any(0).any(0).nonzero().flatten().tolist()
+    km, vn, att = km.cpu(), vn.cpu(), att.cpu()
+    return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
+                          n - (first + j) * bs) for j in present]
+
+
 def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,
-                 plan: torch.Tensor | None = None) -> None:
+                 plan: EvictionPlan | None = None, reason: str = "") -> None:
     """Free ``num_evict`` evictable blocks from every row: the first resident
-    evictable blocks named by ``plan`` (if any), then the lowest ``scores``."""
+    evictable blocks named by ``plan`` (if any), then the lowest ``scores``.
+    Every freed block is counted with where its ranking came from."""
     if num_evict <= 0:
         return
     L, H, NB = seq.page_table.shape
@@ -211,10 +159,10 @@ def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tens
     scores = scores.float()
     in_plan = None
     if plan is not None:
-        plan = plan.to(seq.block_index.device)
-        match = seq.block_index[..., :, None] == plan[..., None, :]     # [L, Hkv, NB, k]
+        names = plan.evict.to(seq.block_index.device)
+        match = seq.block_index[..., :, None] == names[..., None, :]    # [L, Hkv, NB, k]
         in_plan = match.any(-1)
-        rank = match.float().argmax(-1).float() - plan.shape[-1]        # plan blocks in [-k, -1]
+        rank = match.float().argmax(-1).float() - names.shape[-1]       # plan blocks in [-k, -1]
         local = scores.argsort(-1).argsort(-1).float()                  # others in [0, NB-1]
         scores = torch.where(in_plan, rank, local)
     cols = ops.eviction_select(scores.reshape(R, NB), evictable.reshape(R, NB), num_evict)
@@ -222,34 +170,60 @@ def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tens
     drop = torch.zeros(R, NB, dtype=torch.bool, device=cols.device).scatter_(1, cols, True)
     keep = torch.arange(NB, device=cols.device).expand(R, NB)[~drop].view(L, H, NB - num_evict)
     if in_plan is not None:
-        seq.fallback_evictions += int((~in_plan.reshape(R, NB).gather(1, cols)).sum())
+        unranked = int((~in_plan.reshape(R, NB).gather(1, cols)).sum())
+        seq.count_evictions(plan.source, "", R * num_evict - unranked)
+        seq.count_evictions(FALLBACK, UNRANKED, unranked)
+    elif seq.eviction.policy == LEARNED:
+        seq.count_evictions(FALLBACK, reason or NO_PLAN, R * num_evict)
+    else:
+        seq.count_evictions(LOCAL, "", R * num_evict)
     seq.keep_columns(keep)
     pool.free(pages)
-    seq.evicted_blocks += R * num_evict
     seq.eviction_rounds += 1
 
 
-def eviction_round(seq: Sequence, pool: KVPool) -> None:
-    """Run after every step that touched ``seq``: bring every row back to its
-    budget, leaving room for the block the next decode step may open."""
+def overshoot(seq: Sequence) -> int:
+    """Blocks per row over the budget, leaving room for the block the next
+    decode step may open (0 for dense sequences)."""
     st = seq.eviction
     if st.budget_blocks is None:
-        return
-    n, bs, NB = seq.num_cached, seq.block_size, seq.num_blocks
+        return 0
+    n, bs = seq.num_cached, seq.block_size
     target = st.budget_blocks - (1 if not seq.in_prefill and n % bs == 0 else 0)
-    if st.policy != LEARNED:
-        if NB > target:
-            evict_blocks(seq, pool, NB - target, seq.policy.score(seq))
-        return
-    plan = seq.pending_plan
-    if plan is not None and tuple(plan.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
-        plan = seq.pending_plan = None   # a malformed plan is no plan
-    if NB > target and (plan is not None or NB > target + st.slack_blocks):
-        seq.pending_plan = None
-        if plan is None:   # the advisor is late: evict locally, and count it
-            seq.fallback_evictions += (NB - target) * seq.num_layers * seq.num_kv_heads
-        evict_blocks(seq, pool, NB - target, seq.policy.score(seq),
-                     None if plan is None else plan.evict)
+    return max(0, seq.num_blocks - target)
+
+
+def usable_plan(seq: Sequence) -> EvictionPlan | None:
+    """The sequence's latest plan if it ranks every block sent so far (fresh)
+    and fits the sequence; an unusable one stays for ``plan_problem``."""
+    p = seq.pending_plan
+    if p is None or p.error or p.evict is None or p.covers < seq.sent_upto:
+        return None
+    if p.evict.dim() != 3 or tuple(p.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
+        return None
+    return p
+
+
+def plan_problem(seq: Sequence) -> str:
+    """Why the latest plan cannot be used now ('' when it simply is not fresh yet)."""
+    p = seq.pending_plan
+    if p is None:
+        return ""
+    if p.error:
+        return p.error
+    if p.evict is None or p.evict.dim() != 3 or tuple(p.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
+        return SHAPE_MISMATCH
+    return ""
+
+
+def eviction_round(seq: Sequence, pool: KVPool, plan: EvictionPlan | None = None, reason: str = "") -> None:
+    """Bring every row back to its budget now. A heuristic policy ranks with
+    its own scores; a ``learned`` sequence with ``plan`` (the advisor's
+    ranking), or with its fallback policy counted under ``reason``. When to
+    run a learned round (wait for a plan or not) is the engine's decision."""
+    over = overshoot(seq)
+    if over > 0:
+        evict_blocks(seq, pool, over, seq.policy.score(seq), plan, reason)
 
 
 def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
@@ -274,7 +248,6 @@ def shrink_budget(seq: Sequence, pool: KVPool) -> bool:
     if st.budget_blocks is None or st.budget_blocks <= st.floor_blocks:
         return False
     st.budget_blocks = max(st.floor_blocks, (st.budget_blocks + st.floor_blocks) // 2)
-    slack, st.slack_blocks = st.slack_blocks, 0   # the pool needs the pages now
-    eviction_round(seq, pool)
-    st.slack_blocks = slack
+    # The pool needs the pages now: a learned sequence uses its plan if it is fresh.
+    eviction_round(seq, pool, usable_plan(seq) if st.policy == LEARNED else None, CLEANUP)
     return True

@@ -57,6 +57,7 @@ class Scheduler:
         elif seq.in_prefill:
             blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
         else:
+            # After its last chunk a sequence may hold the chunk's blocks until its plan comes.
             blocks = min(dense, max(st.budget_blocks + st.slack_blocks, seq.num_blocks))
         return blocks * self.rows
 
@@ -109,6 +110,8 @@ class Scheduler:
         self._admit()
         batch, chunk_left = [], self.prefill_chunk
         for seq in self.running:
+            if seq.holding:   # a learned sequence waiting for its eviction plan (only it waits)
+                continue
             todo = seq.num_tokens - seq.num_cached
             if not seq.in_prefill:
                 batch.append((seq, todo))

@@ -8,6 +8,7 @@ columns stay aligned with ``page_table``: ``append_blocks`` adds columns,
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -50,13 +51,21 @@ class Sequence:
     num_cached: int = 0            # tokens whose K/V are in pages
     finish_reason: str | None = None
     # counters
-    evicted_blocks: int = 0        # summed over (layer, kv-head) rows
-    fallback_evictions: int = 0
     eviction_rounds: int = 0
+    # evicted blocks (summed over (layer, kv-head) rows) by (source, reason): advisor.py
+    evictions: Counter = field(default_factory=Counter)
     # feature bookkeeping (logical block numbers, exclusive upper bounds)
     feat_upto: int = 0
     sent_upto: int = 0
+    # learned only: the advisor's latest plan, since when the sequence has been
+    # held for one (monotonic seconds; None: not held), the advisor epoch its
+    # features were sent in, and the step each submission happened at
     pending_plan: object | None = None
+    plan_wait_since: float | None = None
+    advisor_epoch: int = 0
+    submitted_at: dict = field(default_factory=dict)
+    rounds: list = field(default_factory=list)   # eviction rounds since the last output (trace events)
+    fallback_warned: bool = False
     # set by the engine
     policy: object | None = None   # Policy that ranks blocks (the fallback for "learned")
     generator: object | None = None
@@ -103,6 +112,23 @@ class Sequence:
         while they are held (and counts their pages). A dense sequence never
         evicts, so its first ``prefix_blocks`` columns are those blocks."""
         return self.prefix_blocks if self.eviction.budget_blocks is None else 0
+
+    @property
+    def evicted_blocks(self) -> int:
+        return sum(self.evictions.values())
+
+    @property
+    def fallback_evictions(self) -> int:
+        return sum(n for (source, _), n in self.evictions.items() if source == "fallback")
+
+    def count_evictions(self, source: str, reason: str, n: int) -> None:
+        if n > 0:
+            self.evictions[(source, reason)] += n
+
+    @property
+    def holding(self) -> bool:
+        """Held out of the batch until its plan comes (or its wait runs out)."""
+        return self.plan_wait_since is not None
 
     @property
     def is_finished(self) -> bool:

@@ -23,6 +23,8 @@ from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 
 log = logging.getLogger(__name__)
 
+MAX_ROUND_EVENTS = 128   # span events per request; the span's attributes carry the totals
+
 _FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
            "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}
 
@@ -60,7 +62,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         dtype = resolve_dtype_name(cfg.dtype, device)
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
                           num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
-                          session_ttl_s=cfg.session_kv_ttl_s)
+                          session_ttl_s=cfg.session_kv_ttl_s, plan_wait_s=cfg.plan_wait_ms / 1000.0)
         if cfg.max_model_len is not None:
             ec.max_model_len = cfg.max_model_len
         if cfg.cache_manager_address:
@@ -138,7 +140,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         ev = request.eviction
         which = ev.WhichOneof("budget")
         budget = ev.budget_tokens if which == "budget_tokens" else ev.budget_fraction if which else None
-        eviction = EvictionParams(policy=ev.policy or "dense", budget=budget)
+        eviction = EvictionParams(policy=ev.policy or "dense", budget=budget,
+                                  sink=ev.sink_tokens if ev.HasField("sink_tokens") else EvictionParams.sink,
+                                  recent=ev.recent_tokens if ev.HasField("recent_tokens") else EvictionParams.recent)
         rid = request.request_id
         span = trace.get_current_span()
         span.set_attribute("kvpop.request_id", rid)
@@ -151,8 +155,14 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         stream = self.engine.generate(rid, ids, sampling, eviction, session_id=sid)
         first = True
         timer = get_metrics().request()
+        events = 0
         try:
             async for out in stream:
+                for r in out.rounds:
+                    # Bounded: a long token-level stream has a round per token.
+                    if events < MAX_ROUND_EVENTS:
+                        span.add_event("eviction_round", r)
+                    events += 1
                 if out.token_id is not None:
                     timer.token()
                 if out.finished:
@@ -185,7 +195,15 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                             prompt_tokens=u.prompt_tokens - len(history), completion_tokens=u.completion_tokens,
                             kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
                             policy=u.policy, fallback_evictions=u.fallback_evictions,
-                            session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history)))
+                            session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history),
+                            network_evictions=u.network_evictions,
+                            advisor_heuristic_evictions=u.advisor_heuristic_evictions,
+                            fallback_reasons=u.fallback_reasons))
+                        span.set_attribute("kvpop.eviction_rounds", events)
+                        span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
+                        if u.policy == "learned":
+                            span.set_attribute("kvpop.network_evictions", u.network_evictions)
+                            span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)
                 yield resp
         except SessionNotParked as e:
             timer.fail("FAILED_PRECONDITION")

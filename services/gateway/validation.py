@@ -3,7 +3,7 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
 | request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
 | prompt longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
@@ -99,6 +99,12 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
             ev.budget_tokens = min(default, info.max_model_len)
     elif policy != "dense":
         raise Invalid(f"policy {policy!r} needs a kv budget (budget_tokens or budget_fraction)")
+    for name in ("sink_tokens", "recent_tokens"):
+        if req.HasField(name):
+            value = getattr(req, name)
+            if not 0 <= value <= info.max_model_len:
+                raise Invalid(f"{name} must be in [0, {info.max_model_len}] (the model's max length), got {value}")
+            setattr(ev, name, value)
 
     for name in ("session_id", "request_id"):
         value = getattr(req, name)

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from helpers_engine import dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine, tiny_model
+from helpers_engine import (ScriptedAdvisor, dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine,
+                            tiny_model)
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.async_engine import AsyncEngine
 from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.eviction import InProcessAdvisor
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -38,7 +38,7 @@ def test_eviction_machinery_with_room_to_spare_changes_nothing(model, policy):
     """A budget larger than the sequence: the statistics path (attention with
     block mass, rounds, features) runs but evicts nothing, and decoding is
     still exactly the no-cache greedy continuation."""
-    engine = tiny_engine(model, block_size=4, prefill_chunk=8, advisor=InProcessAdvisor())
+    engine = tiny_engine(model, block_size=4, prefill_chunk=8, advisor=ScriptedAdvisor())
     prompt = random_prompt(30, seed=11)
     outs = list(engine.generate(prompt, GREEDY, EvictionParams(policy, budget=64, sink=4, recent=8)))
     assert [o.token_id for o in outs] == dense_greedy(model, prompt, GREEDY.max_tokens)
@@ -187,33 +187,63 @@ def test_abort_frees_pages_at_next_step(model):
     assert engine.stats()["finished_requests"] == 2
 
 
-def test_learned_applies_plans_and_counts_fallback(model):
-    """A prompt plan-driven advisor: evictions follow its plans (names of gone
-    blocks are ignored); a silent advisor makes compute fall back and count it;
-    either way no row exceeds budget + slack."""
+def test_learned_waits_for_plans_and_counts_fallback_by_reason(model):
+    """One protocol for every advisor: a learned prefill over its budget is
+    held (alone) until a fresh plan comes, so a plan three steps late gives
+    the same prefill evictions and first token as a prompt one, all from the
+    network (decode then runs within its slack while plans come).
+    A silent advisor is waited out (reason no_plan), a down or absent one is
+    not waited for (advisor_down); no row ever exceeds budget + slack + one
+    prefill chunk, and every page comes back."""
     prompt = random_prompt(80, seed=4)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     ev = EvictionParams("learned", budget=32, sink=4, recent=8)
-    results = {}
-    for name, advisor in [("prompt", InProcessAdvisor()), ("late", InProcessAdvisor(delay=3)),
-                          ("silent", InProcessAdvisor(silent=True)), ("absent", None)]:
-        engine = tiny_engine(model, advisor=advisor, prefill_chunk=8)
+    results, tokens = {}, {}
+    for name, advisor in [("prompt", ScriptedAdvisor()), ("late", ScriptedAdvisor(delay=3)),
+                          ("silent", ScriptedAdvisor(silent=True)), ("down", ScriptedAdvisor(connected=False)),
+                          ("absent", None)]:
+        engine = tiny_engine(model, advisor=advisor, prefill_chunk=8, plan_wait_s=0.0 if name == "silent" else 60.0)
         engine.add_request("r", prompt, sp, ev)
-        worst = 0
+        worst, outs = 0, []
         while engine.has_unfinished():
-            outs = engine.step()
+            outs += engine.step()
             seq = engine.seqs.get("r")
             if seq is not None:
                 worst = max(worst, seq.num_blocks)
         usage = outs[-1].usage
-        results[name] = usage
-        assert worst <= 32 // 4 + engine.config.plan_slack_blocks, name
-        assert usage.kv_blocks_evicted > 0
+        results[name], tokens[name] = usage, [o.token_id for o in outs]
+        assert worst <= 32 // 4 + engine.config.plan_slack_blocks + 8 // 4, name
+        assert usage.kv_blocks_evicted > 0, name
         assert engine.pool.num_free == engine.pool.capacity
-    assert results["prompt"].fallback_evictions < results["prompt"].kv_blocks_evicted
-    assert results["silent"].fallback_evictions == results["silent"].kv_blocks_evicted
-    assert results["absent"].fallback_evictions == results["absent"].kv_blocks_evicted
-    assert results["late"].fallback_evictions <= results["silent"].fallback_evictions
+        assert usage.kv_blocks_evicted == (usage.network_evictions + usage.fallback_evictions
+                                           + usage.advisor_heuristic_evictions), usage
+    for name in ("prompt", "late"):
+        assert results[name].network_evictions == results[name].kv_blocks_evicted, results[name]
+        assert results[name].fallback_reasons == {}
+    assert tokens["late"][0] == tokens["prompt"][0]
+    assert results["silent"].fallback_reasons == {"no_plan": results["silent"].kv_blocks_evicted}
+    for name in ("down", "absent"):
+        assert results[name].fallback_reasons == {"advisor_down": results[name].kv_blocks_evicted}, name
+    # Fallback ranks with h2o: the same evictions as a plain h2o request.
+    h2o = tiny_engine(model, prefill_chunk=8)
+    ref = list(h2o.generate(prompt, sp, EvictionParams("h2o", budget=32, sink=4, recent=8)))
+    assert [o.token_id for o in ref] == tokens["absent"]
+
+
+def test_learned_round_events_and_stats(model):
+    """Eviction rounds are reported on the outputs (trace events) with their
+    source and plan age, and the engine's stats split evictions by source."""
+    engine = tiny_engine(model, advisor=ScriptedAdvisor(delay=1), prefill_chunk=8)
+    outs = list(engine.generate(random_prompt(60, seed=7), SamplingParams(max_tokens=20, ignore_eos=True),
+                                EvictionParams("learned", budget=24, sink=4, recent=4)))
+    rounds = [r for o in outs for r in o.rounds]
+    assert rounds and all(r["sources"] == "network" for r in rounds), rounds
+    assert sum(r["blocks"] for r in rounds) == outs[-1].usage.kv_blocks_evicted
+    ages = [r["plan_age_steps"] for r in rounds]
+    assert min(ages) >= 0 and max(ages) >= 1, rounds   # held prefill: 0; decode within its slack: later
+    s = engine.stats()
+    assert s["evictions_by_source"] == {("learned", "network", ""): outs[-1].usage.kv_blocks_evicted}
+    assert s["network_evictions"] == s["learned_evictions"] == outs[-1].usage.kv_blocks_evicted
 
 
 def test_stats(model):
@@ -285,7 +315,7 @@ async def _wait_until(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
-class BrokenAdvisor(InProcessAdvisor):
+class BrokenAdvisor(ScriptedAdvisor):
     """An advisor whose every call raises: it must count as absent."""
 
     def submit(self, features):
@@ -300,7 +330,8 @@ def test_failing_advisor_is_treated_as_absent(model):
     outs = list(engine.generate(random_prompt(60, 1), SamplingParams(max_tokens=10, ignore_eos=True),
                                 EvictionParams("learned", budget=24, sink=4, recent=4)))
     u = outs[-1].usage
-    assert len(outs) == 10 and u.kv_blocks_evicted > 0 and u.fallback_evictions == u.kv_blocks_evicted
+    assert len(outs) == 10 and u.kv_blocks_evicted > 0
+    assert u.fallback_reasons == {"advisor_down": u.kv_blocks_evicted}
     assert engine.stats()["advisor_errors"] > 0
 
 
@@ -345,7 +376,7 @@ def test_engine_on_cuda(dtype):
     """The same engine on a GPU (CUDA kernels when CuPy is there): dense greedy
     equals recomputation in fp32, evicting policies stay in budget, pages return."""
     model = tiny_model(seed=0).to("cuda", dtype)
-    engine = tiny_engine(model, prefill_chunk=8, advisor=InProcessAdvisor())
+    engine = tiny_engine(model, prefill_chunk=8, advisor=ScriptedAdvisor())
     prompt = random_prompt(40, seed=1)
     got = [o.token_id for o in engine.generate(prompt, GREEDY)]
     if dtype == torch.float32:

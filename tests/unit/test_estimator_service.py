@@ -4,6 +4,8 @@ broken file and falls back to the heuristic without one; the in-process
 LocalAdvisor gives the same plans and keeps the advisor protocol."""
 from __future__ import annotations
 
+import math
+
 import os
 import queue
 import signal
@@ -91,6 +93,7 @@ class CacheManager:
         self.outbox.put(_msg(rid, records))
         reply = next(self.replies)
         assert reply.plan.request_id == rid
+        self.last = reply.plan
         return from_int_array(reply.plan.evict)
 
     def log_count(self, text: str) -> int:
@@ -124,21 +127,22 @@ def test_service_loads_scores_and_reloads_on_sighup(tmp_path, manager):
     recs = _records(30, seed=0)
     got = cm.plan("a", recs)
     assert got.shape == (L, H, 30)
-    assert np.array_equal(got, Planner(model=_net(1)).apply("a", recs))
+    assert np.array_equal(got, Planner(model=_net(1)).apply("a", recs).evict)
+    assert cm.last.ranker == "network" and cm.last.covers == max(r.block for r in recs) + 1
     # Another network at the same path, reloaded without a restart.
     save(_net(2), ckpt)
     os.killpg(cm.proc.pid, signal.SIGHUP)
     _wait(lambda: cm.log_count("estimator loaded from") == 2, 20, "the reload")
     recs_b = _records(30, seed=1)
     got_b = cm.plan("b", recs_b)
-    assert np.array_equal(got_b, Planner(model=_net(2)).apply("b", recs_b))
-    assert not np.array_equal(got_b, Planner(model=_net(1)).apply("b", recs_b))
+    assert np.array_equal(got_b, Planner(model=_net(2)).apply("b", recs_b).evict)
+    assert not np.array_equal(got_b, Planner(model=_net(1)).apply("b", recs_b).evict)
     # A broken file keeps the loaded network, and says so.
     ckpt.write_bytes(b"garbage")
     os.killpg(cm.proc.pid, signal.SIGHUP)
     _wait(lambda: cm.log_count("estimator not loaded") == 1, 20, "the failed reload's log line")
     recs_c = _records(12, seed=2)
-    assert np.array_equal(cm.plan("c", recs_c), Planner(model=_net(2)).apply("c", recs_c))
+    assert np.array_equal(cm.plan("c", recs_c), Planner(model=_net(2)).apply("c", recs_c).evict)
     assert cm.proc.poll() is None
 
 
@@ -172,7 +176,7 @@ def test_local_advisor_protocol():
     # Same code path as the service: the plan equals the Planner's.
     other = LocalAdvisor(model=_net(1))
     other.submit(_features("q", recs))
-    assert np.array_equal(other.take_plans()["q"].evict.numpy(), Planner(model=_net(1)).apply("q", recs))
+    assert np.array_equal(other.take_plans()["q"].evict.numpy(), Planner(model=_net(1)).apply("q", recs).evict)
     adv.release("r")
     assert "r" not in adv.planner.state.sequences
     adv.submit(_features("r", recs[:3]))
@@ -198,8 +202,9 @@ def test_engine_with_local_advisor_follows_plans_deterministically():
     adv = LocalAdvisor(model=_net(1))
     tokens, peak, usage = _run_learned(adv, prompt)
     assert usage.policy == "learned" and usage.kv_blocks_evicted > 0
-    assert usage.fallback_evictions == 0                           # every eviction came from a plan
-    assert peak <= 32 // 4 and adv.plans_sent > 0
+    assert usage.network_evictions == usage.kv_blocks_evicted      # every eviction came from a plan
+    # Held for its plan, the prompt's one chunk stays until the next step boundary.
+    assert peak <= math.ceil(90 / 4) and adv.plans_sent > 0
     assert "r" not in adv.planner.state.sequences                  # released at finish
     again, _, _ = _run_learned(LocalAdvisor(model=_net(1)), prompt)
     assert again == tokens

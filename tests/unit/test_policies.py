@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import ops
+from services.compute.advisor import EvictionPlan
 from services.compute.eviction import (EvictionState, evict_blocks, protected_mask,
                                        update_features)
 from services.compute.kv_pool import KVPool
@@ -122,13 +123,14 @@ def test_plan_first_gone_names_ignored_shortfall_is_fallback():
     seq, pool = make_seq(8, "h2o")
     seq.acc_mass[0, :, :] = torch.arange(8, dtype=torch.float32)  # fallback: evict oldest first
     seq.acc_mass[0, :, 0] = 100.0
-    plan = torch.tensor([[[99, 4, 7, 2], [6, 99, -1, -1]]], dtype=torch.int32)   # 7 is protected
-    evict_blocks(seq, pool, 3, seq.policy.score(seq), plan)
+    names = torch.tensor([[[99, 4, 7, 2], [6, 99, -1, -1]]], dtype=torch.int32)   # 7 is protected
+    seq.eviction.policy = "learned"
+    evict_blocks(seq, pool, 3, seq.policy.score(seq), EvictionPlan("r", names, covers=100))
     kept = [row.tolist() for row in seq.block_index[0]]
     assert kept[0] == [0, 3, 5, 6, 7] and kept[1] == [0, 3, 4, 5, 7]
     # Row 0: 4 and 2 from the plan, then block 1 (lowest h2o score) as fallback;
     # row 1: 6 from the plan, then 1 and 2 as fallback.
-    assert seq.fallback_evictions == 3
+    assert seq.evictions == {("fallback", "unranked"): 3, ("network", ""): 3}
 
 
 def test_eviction_select_contract_used_by_rounds():

@@ -1,0 +1,66 @@
+"""The advisor protocol: what compute tells whoever ranks blocks for
+``learned`` sequences (features of blocks leaving the recent window), what it
+gets back (eviction plans), and where each evicted block's ranking came from.
+
+The engine runs one protocol for every advisor: the remote cache-manager
+(advisor_client.AdvisorClient) and the in-process one the evaluation uses
+(services.cache_manager.local_advisor.LocalAdvisor) are driven the same way.
+Plans are taken at the top of a step; a sequence whose round needs a plan it
+does not have yet is held (it alone), up to ``plan_wait_s``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+# Where the ranking behind an evicted block came from (metric label `source`).
+NETWORK = "network"                       # a plan ranked by the cache-manager's value-estimation network
+ADVISOR_HEURISTIC = "advisor_heuristic"   # a plan the cache-manager ranked by attention per age (no estimator fits)
+LOCAL = "local"                           # a heuristic policy's own ranking (not `learned`)
+FALLBACK = "fallback"                     # compute's local fallback ranking for a `learned` sequence
+
+# Why a `learned` sequence's blocks were evicted by the fallback (metric label `reason`).
+NO_PLAN = "no_plan"                 # no fresh plan within plan_wait_s
+ADVISOR_DOWN = "advisor_down"       # no advisor, or its stream is not connected
+MALFORMED_PLAN = "malformed_plan"   # the plan could not be decoded
+SHAPE_MISMATCH = "shape_mismatch"   # the plan's (layers, kv-heads) are not the model's
+CLEANUP = "cleanup"                 # pool pressure shrank the budget: the pages were needed at once
+UNRANKED = "unranked"               # the plan named fewer evictable blocks than the round needed
+FALLBACK_REASONS = (NO_PLAN, ADVISOR_DOWN, MALFORMED_PLAN, SHAPE_MISMATCH, CLEANUP, UNRANKED)
+
+
+@dataclass
+class BlockFeatures:
+    request_id: str
+    block: int                    # logical block number
+    position: int                 # first token position of the block
+    key_mean: torch.Tensor        # [L, Hkv, d]
+    value_norm: torch.Tensor      # [L, Hkv]
+    attention: torch.Tensor       # [L, Hkv] accumulated attention received so far
+    age: int                      # tokens since the block's first position
+
+
+@dataclass
+class EvictionPlan:
+    request_id: str
+    evict: torch.Tensor | None    # [L, Hkv, k] logical block numbers, most evictable first (-1 = pad)
+    covers: int = 0               # one past the highest block the advisor knew when it ranked
+    ranker: str = "network"       # "network" | "heuristic"
+    error: str = ""               # a fallback reason (MALFORMED_PLAN) when the plan is unusable
+    received_step: int = -1       # engine step at which the engine took it
+
+    @property
+    def source(self) -> str:
+        return NETWORK if self.ranker == "network" else ADVISOR_HEURISTIC
+
+
+class EvictionAdvisor(Protocol):
+    connected: bool               # False: no plan can come now (the engine falls back at once)
+    epoch: int                    # bumped when the advisor lost its state (reconnect): features are re-sent
+    on_plan: Callable[[], None] | None   # set by the engine's loop: called (any thread) when a plan arrives
+
+    def submit(self, features: list[BlockFeatures]) -> None: ...
+    def take_plans(self) -> dict[str, EvictionPlan]: ...
+    def release(self, request_id: str) -> None: ...
