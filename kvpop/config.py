@@ -71,6 +71,9 @@ class CacheManagerConfig(ServerConfig):
                                    "most block numbers per (layer, kv-head) in one eviction plan")
     estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint ('' = models/default/"
                              "estimator.safetensors, 'none' = heuristic); SIGHUP reloads it")
+    scoring_threads: int = setting("KVPOP_SCORING_THREADS", 1,
+                                   "torch threads of the network (small ops: more threads mostly contend "
+                                   "with compute for the same cores)")
 
 
 @dataclass

@@ -61,6 +61,22 @@ class Planner:
         self.scorer = LearnedScorer(model)
         self.loaded = source
         self.loads += 1
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Score a throwaway sequence once: torch's first calls are slow, and the
+        first plans after a (re)start must not come later than compute waits."""
+        from services.cache_manager.scoring_state import SequenceState
+
+        c = self.scorer.model.cfg
+        seq, rng = SequenceState("\x00warm-up"), np.random.default_rng(0)
+        for b in range(2 * self.scorer.rescore_every + 1):
+            seq.add(BlockRecord(b, 16 * b, 16, rng.standard_normal((c.num_layers, c.num_kv_heads, c.head_dim),
+                                                                   dtype=np.float32),
+                                np.ones((c.num_layers, c.num_kv_heads), np.float32),
+                                np.ones((c.num_layers, c.num_kv_heads), np.float32)))
+            if b % 4 == 0:
+                self.scorer.score(seq)
 
     def reload(self) -> str:
         """(Re)load the checkpoint. A missing or broken file keeps the current
@@ -94,6 +110,11 @@ class Planner:
         """Fold in a batch of features and rank every known block of the
         sequence (most evictable first), saying what ranked them. ValueError
         for features inconsistent with the sequence's earlier ones."""
+        self.add(request_id, records)
+        return self.plan(request_id)
+
+    def add(self, request_id: str, records: list[BlockRecord]) -> None:
+        """Fold in a batch of features (ValueError if inconsistent; nothing is folded then)."""
         for r in records:
             km, vn, att = np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention)
             if len(km) != 3 or vn != km[:2] or att != km[:2]:
@@ -102,6 +123,10 @@ class Planner:
         seq = self.state.get(request_id)
         for r in records:
             seq.add(r)
+
+    def plan(self, request_id: str) -> Plan:
+        """Rank every known block of the sequence, most evictable first."""
+        seq = self.state.get(request_id)
         scores = None
         if self.scorer is not None:
             shape = seq.arrays()["key_mean"].shape[1:]

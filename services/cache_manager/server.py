@@ -46,6 +46,7 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
         long-lived Advise stream would otherwise hold the drain for its whole grace."""
         it = request_iterator.__aiter__()
         closing = asyncio.ensure_future(self.closing.wait())
+        nxt = None
         try:
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
@@ -59,42 +60,81 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                     return
         finally:
             closing.cancel()
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                nxt.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" noise
 
-    def _apply(self, batch: pb.FeaturesBatch) -> pb.AdvisorReply:
+    def _fold(self, batch: pb.FeaturesBatch) -> None:
         records = [BlockRecord(block=b.block, position=b.position, age=b.age,
                                key_mean=from_float_array(b.key_mean),
                                value_norm=from_float_array(b.value_norm),
                                attention=from_float_array(b.attention)) for b in batch.blocks]
-        plan = self.planner.apply(batch.request_id, records)
+        self.planner.add(batch.request_id, records)
+
+    def _plan(self, request_id: str) -> pb.AdvisorReply:
+        plan = self.planner.plan(request_id)
         self.plans_sent += 1
-        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=batch.request_id, evict=to_int_array(plan.evict),
+        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=request_id, evict=to_int_array(plan.evict),
                                                     covers=plan.covers, ranker=plan.ranker))
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
+        """Messages are read by a task into a queue; each round folds every
+        message waiting and answers once per sequence with its newest plan.
+        A backlog (many sequences, a slow network) thus costs one plan per
+        sequence per round, never one per message, so plans do not fall
+        further and further behind the features they answer."""
         seen: set[str] = set()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for msg in self._until_closing(request_iterator):
+                    inbox.put_nowait(msg)
+            finally:
+                inbox.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
         try:
-            async for msg in self._until_closing(request_iterator):
-                kind = msg.WhichOneof("kind")
-                if kind == "finished":
-                    self.state.drop(msg.finished.request_id)
-                    seen.discard(msg.finished.request_id)
-                    continue
-                if kind != "features" or not msg.features.request_id:
-                    continue
-                parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
-                with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
-                    span.set_attribute("kvpop.request_id", msg.features.request_id)
-                    span.set_attribute("kvpop.blocks", len(msg.features.blocks))
-                    try:
-                        with get_metrics().scoring_latency.time():
-                            reply = self._apply(msg.features)
-                    except ValueError as e:
-                        log.warning("skipping features for %s: %s", msg.features.request_id, e)
-                        span.set_attribute("kvpop.error", str(e))
+            while True:
+                msgs = [await inbox.get()]
+                while not inbox.empty():
+                    msgs.append(inbox.get_nowait())
+                due: dict[str, tuple[pb.AdvisorMessage, int, int]] = {}   # rid -> (last message, messages, blocks)
+                for msg in msgs:
+                    if msg is None:
+                        break
+                    kind = msg.WhichOneof("kind")
+                    if kind == "finished":
+                        rid = msg.finished.request_id
+                        self.state.drop(rid)
+                        seen.discard(rid)
+                        due.pop(rid, None)
                         continue
-                seen.add(msg.features.request_id)
-                yield reply
+                    if kind != "features" or not msg.features.request_id:
+                        continue
+                    rid = msg.features.request_id
+                    try:
+                        self._fold(msg.features)
+                    except ValueError as e:
+                        log.warning("skipping features for %s: %s", rid, e)
+                        continue
+                    seen.add(rid)
+                    _, n, blocks = due.pop(rid, (None, 0, 0))
+                    due[rid] = (msg, n + 1, blocks + len(msg.features.blocks))
+                for rid, (msg, n, blocks) in due.items():
+                    parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
+                    with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
+                        span.set_attribute("kvpop.request_id", rid)
+                        span.set_attribute("kvpop.blocks", blocks)
+                        span.set_attribute("kvpop.messages", n)
+                        with get_metrics().scoring_latency.time():
+                            reply = self._plan(rid)
+                        span.set_attribute("kvpop.ranker", reply.plan.ranker)
+                    yield reply
+                if msgs[-1] is None:
+                    return
         finally:
+            reader.cancel()
             # The compute process went away: its sequences will never finish here.
             for rid in seen:
                 self.state.drop(rid)
@@ -115,6 +155,9 @@ class CacheManagerApp:
 
 
 async def build(cfg: CacheManagerConfig, service: GrpcService) -> CacheManagerApp:
+    import torch
+
+    torch.set_num_threads(max(1, cfg.scoring_threads))
     servicer = CacheManagerServicer(cfg)
     asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, servicer.planner.reload)
     pb_grpc.add_CacheManagerServicer_to_server(servicer, service.server)

@@ -110,12 +110,14 @@ class AdvisorClient:
                                             tracestate=ctx.get("tracestate", "")))
             self.stats["features_sent"] += len(feats)
 
-    async def _requests(self):
+    async def _requests(self, outbox: deque, wake: asyncio.Event):
+        # Its own outbox per stream: a broken stream's iterator may live on in
+        # gRPC for a while and must not take the messages meant for the next one.
         while True:
-            while self._outbox:
-                yield self._outbox.popleft()
-            self._wake.clear()
-            await self._wake.wait()
+            while outbox:
+                yield outbox.popleft()
+            wake.clear()
+            await wake.wait()
 
     def _on_reply(self, reply: pb.AdvisorReply) -> None:
         p = reply.plan
@@ -142,8 +144,8 @@ class AdvisorClient:
             while True:
                 try:
                     await channel.channel_ready()
-                    self._outbox.clear()
-                    call = stub.Advise(self._requests(), wait_for_ready=True)
+                    self._outbox, self._wake = deque(maxlen=MAX_QUEUED), asyncio.Event()
+                    call = stub.Advise(self._requests(self._outbox, self._wake), wait_for_ready=True)
                     self.epoch += 1         # before `connected`: the engine re-sends what this stream lacks
                     self.connected = True
                     log.info("advisor stream to %s open (epoch %d)", self.address, self.epoch)

@@ -1,0 +1,154 @@
+"""`learned` as served: a stack on the trained default model, whose shipped
+estimator fits it, so the cache-manager's network (not its heuristic, not
+compute's fallback) ranks the evicted blocks. Checked from the usage of every
+stream and from compute's /metrics (deltas), under one stream and 16
+concurrent ones, and across a cache-manager kill and restart."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from kvpop.launcher import restart_service, start_stack
+from kvpop.launcher_down import stop_stack
+from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.tasks import suite
+from stack_helpers import wait_until
+
+pytestmark = pytest.mark.slow
+
+ENV = {"KVPOP_GRACE_S": "2"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    st = start_stack(tmp_path_factory.mktemp("learned-stack"), model=str(DEFAULT_MODEL_DIR), env=ENV, timeout=120,
+                     service_args={"compute": ["--device", "cpu"]})
+    yield st
+    stop_stack(st, grace=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(served):
+    with grpc.insecure_channel(served.gateway) as ch:
+        yield generate_pb2_grpc.KVpopStub(ch)
+
+
+def compute_info(st) -> compute_pb2.InfoResponse:
+    with grpc.insecure_channel(st.proc("compute").address) as ch:
+        return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
+
+
+def learned_evictions(st) -> dict[tuple[str, str], float]:
+    """compute's kvpop_kv_evicted_blocks_total{policy="learned"} by (source, reason)."""
+    text = urllib.request.urlopen(st.metrics["compute"], timeout=5).read().decode()
+    out = {}
+    for m in re.finditer(r'^kvpop_kv_evicted_blocks_total\{([^}]*)\} (\S+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels["policy"] == "learned":
+            out[(labels["source"], labels["reason"])] = float(m.group(2))
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
+
+
+def prompts(n: int, seed: int, lo: int = 600, hi: int = 1280) -> list[str]:
+    return [inst.prompt for inst in suite.test_set(n, None, seed, lo, hi)][:n]
+
+
+def run(gateway, prompt: str, budget: float, max_tokens: int = 32, out: dict | None = None, key=None):
+    req = generate_pb2.GenerateRequest(prompt=prompt, policy="learned", budget_fraction=budget,
+                                       max_tokens=max_tokens, ignore_eos=True)
+    final = None
+    for msg in gateway.Generate(req, timeout=300):
+        if msg.HasField("finished"):
+            final = msg.finished
+    if out is not None:
+        out[key] = final
+    return final
+
+
+def network_share(usages) -> tuple[int, int]:
+    return sum(u.network_evictions for u in usages), sum(u.kv_blocks_evicted for u in usages)
+
+
+def wait_metrics(st, before: dict, evicted: int) -> dict:
+    """/metrics is refreshed from engine stats once a second: wait for the delta to show all evictions."""
+    got = {}
+
+    def complete():
+        nonlocal got
+        got = delta(learned_evictions(st), before)
+        return sum(got.values()) >= evicted
+    wait_until(complete, 10, "the metrics to count the streams' evictions")
+    return got
+
+
+def test_network_decides_one_stream_and_16_concurrent(served, gateway):
+    wait_until(lambda: compute_info(served).advisor_connected, 30, "compute to reach the cache-manager")
+    before = learned_evictions(served)
+    one = run(gateway, prompts(1, seed=11, lo=1150, hi=1250)[0], 0.25)
+    net, ev = network_share([one.usage])
+    assert one.usage.policy == "learned" and ev > 0, one.usage
+    assert net >= 0.99 * ev, one.usage
+
+    texts = prompts(16, seed=12)
+    results: dict = {}
+    threads = [threading.Thread(target=run, args=(gateway, p, (0.25, 0.125)[i % 2], 48, results, i))
+               for i, p in enumerate(texts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == list(range(16))
+    net16, ev16 = network_share([r.usage for r in results.values()])
+    print(f"\nlearned served: 1 stream {net}/{ev} blocks by the network; "
+          f"16 concurrent streams {net16}/{ev16} ({100 * net16 / ev16:.2f}%)")
+    assert ev16 > 0 and net16 >= 0.99 * ev16, [dict(r.usage.fallback_reasons) for r in results.values()]
+    got = wait_metrics(served, before, ev + ev16)
+    assert sum(got.values()) == ev + ev16, got
+    assert got.get(("network", ""), 0) >= 0.99 * (ev + ev16), got
+
+
+def test_cache_manager_killed_then_restarted(served, gateway):
+    """Killed mid-stream: the stream finishes within budget on the fallback
+    (reason advisor_down, visible in /metrics); restarted: compute reconnects
+    within 2 s of SERVING and the network decides again (>= 99%)."""
+    wait_until(lambda: compute_info(served).advisor_connected, 30, "compute to reach the cache-manager")
+    before = learned_evictions(served)
+    text = prompts(1, seed=13, lo=1150, hi=1250)[0]
+    out: dict = {}
+    t = threading.Thread(target=run, args=(gateway, text, 0.25, 400, out, "killed"))
+    t.start()
+    wait_until(lambda: compute_info(served).stats.extra.get("network_evictions", 0) > 0 or not t.is_alive(), 60,
+               "the stream's first network plan")
+    os.killpg(served.proc("cache-manager").pid, signal.SIGKILL)
+    t.join(300)
+    u = out["killed"].usage
+    assert u.completion_tokens == 400 and u.kv_blocks_evicted > 0, u
+    assert u.fallback_reasons.get("advisor_down", 0) > 0, u
+    m = compute_info(served).model
+    assert u.kv_blocks_resident <= (int(0.25 * (len(text.split()) + 401)) // m.block_size + 3) \
+        * m.num_layers * m.num_kv_heads, u
+    got = wait_metrics(served, before, u.kv_blocks_evicted)
+    assert got.get(("fallback", "advisor_down"), 0) > 0, got
+    assert not compute_info(served).advisor_connected
+
+    restart_service(served, "cache-manager", env=ENV)
+    t0 = time.monotonic()
+    wait_until(lambda: compute_info(served).advisor_connected, 10, "compute to reconnect")
+    reconnect_s = time.monotonic() - t0
+    after = run(gateway, text, 0.25)
+    print(f"\ncache-manager restart: compute reconnected {reconnect_s:.2f} s after SERVING; next stream "
+          f"{after.usage.network_evictions}/{after.usage.kv_blocks_evicted} blocks by the network")
+    assert reconnect_s <= 2.0
+    assert after.usage.network_evictions >= 0.99 * after.usage.kv_blocks_evicted > 0, after.usage
