@@ -14,6 +14,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spans: list[tuple[str, str, str]] = []   # (trace_id hex, service.name, span name)
+        self.events: list[tuple[str, str, str, dict]] = []   # (trace_id hex, service.name, event name, attributes)
 
     def Export(self, request, context):
         with self.lock:
@@ -22,6 +23,9 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         self.spans.append((span.trace_id.hex(), service, span.name))
+                        for ev in span.events:
+                            attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in ev.attributes}
+                            self.events.append((span.trace_id.hex(), service, ev.name, attrs))
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def services_in(self, trace_id: str) -> set[str]:
@@ -31,6 +35,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def span_names(self, trace_id: str) -> set[tuple[str, str]]:
         with self.lock:
             return {(svc, name) for tid, svc, name in self.spans if tid == trace_id}
+
+    def events_in(self, trace_id: str, name: str) -> list[tuple[str, dict]]:
+        with self.lock:
+            return [(svc, attrs) for tid, svc, n, attrs in self.events if tid == trace_id and n == name]
 
     def wait_for(self, trace_id: str, services: set[str], timeout: float) -> set[str]:
         deadline = time.monotonic() + timeout

@@ -59,28 +59,18 @@ def test_cancel_frees_pages(gateway, compute):
     assert stats.pages_used == base.pages_used and stats.pages_free == base.pages_free
 
 
-def test_cache_manager_killed_mid_stream(stack, gateway, compute, otlp):
+def test_learned_on_a_model_no_estimator_fits_says_heuristic(stack, gateway, compute):
+    """The shipped estimator fits the default model, not this placeholder: the
+    cache-manager ranks with its heuristic, and usage says so instead of
+    claiming the network (tests/integration/test_learned_served.py serves the
+    network on the model it fits, and kills the cache-manager)."""
     wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reach the cache-manager")
-    plans_before = compute_info(compute).stats.extra["advisor_plans_received"]
-    req = request(max_tokens=600, ignore_eos=True, policy="learned", budget_tokens=64)
-    it = iter(gateway.Generate(req, timeout=120))
-    for _ in range(100):
-        assert next(it).HasField("chunk")
-    # The advisor has been planning for this sequence before it dies.
-    wait_until(lambda: compute_info(compute).stats.extra["advisor_plans_received"] > plans_before, 10, "a plan")
-    cm = stack.proc("cache-manager")
-    os.killpg(cm.pid, signal.SIGKILL)
-    ids, _, final = collect(it)
-    assert final is not None and final.finish_reason == generate_pb2.FINISH_REASON_LENGTH
-    assert final.usage.completion_tokens == 600
-    assert final.usage.policy == "learned" and final.usage.kv_blocks_evicted > 0
-    # Late plans cause some fallback even with a live cache-manager (measured: 0-16% of
-    # evictions); killed after 1/6 of the stream, most evictions must be fallback.
-    assert final.usage.fallback_evictions >= 0.5 * final.usage.kv_blocks_evicted, final.usage
-    assert not compute_info(compute).advisor_connected
-    # Bring it back for the other tests; compute reconnects on its own.
-    restart_service(stack, "cache-manager", env=stack_env(otlp.port))
-    wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reconnect")
+    req = request(max_tokens=300, ignore_eos=True, policy="learned", budget_tokens=64)
+    _, _, final = collect(gateway.Generate(req, timeout=120))
+    u = final.usage
+    assert u.policy == "learned" and u.kv_blocks_evicted > 0
+    assert u.network_evictions == 0, u
+    assert u.advisor_heuristic_evictions >= 0.99 * u.kv_blocks_evicted, u
 
 
 def test_one_trace_spans_all_services(gateway, compute, otlp):
@@ -95,6 +85,11 @@ def test_one_trace_spans_all_services(gateway, compute, otlp):
     got = otlp.wait_for(trace_id, want, timeout=15)
     assert want <= got, f"trace {trace_id} has spans from {got} only"
     assert ("cache-manager", "cache_manager.plan") in otlp.span_names(trace_id)
+    # Every eviction round is an event on compute's span: blocks, where the ranking came from, plan age.
+    rounds = otlp.events_in(trace_id, "eviction_round")
+    assert rounds and all(svc == "compute" for svc, _ in rounds), rounds
+    assert sum(a["blocks"] for _, a in rounds) == final.usage.kv_blocks_evicted
+    assert all(a["sources"] == "advisor_heuristic" and a["plan_age_steps"] >= 0 for _, a in rounds), rounds
 
 
 def test_redis_outage_does_not_fail_streams_and_sessions_catch_up(stack, gateway):
@@ -119,10 +114,9 @@ def test_redis_outage_does_not_fail_streams_and_sessions_catch_up(stack, gateway
 
 
 def test_metrics_endpoints(stack, gateway):
+    """Each counter moves by this request's own amounts (deltas: earlier tests
+    already pushed the totals past any fixed threshold)."""
     import urllib.request
-
-    collect(gateway.Generate(request(max_tokens=40, ignore_eos=True, policy="learned", budget_tokens=64),
-                             timeout=60))
 
     def scrape(name: str) -> str:
         with urllib.request.urlopen(stack.metrics[name], timeout=5) as r:
@@ -131,11 +125,24 @@ def test_metrics_endpoints(stack, gateway):
     def value(text: str, metric: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(metric))
 
-    assert value(scrape("gateway"), "kvpop_time_to_first_token_seconds_count") >= 1
-    assert value(scrape("gateway"), "kvpop_generation_tokens_total") >= 40
-    wait_until(lambda: value(scrape("compute"), "kvpop_generation_tokens_total") >= 40, 10, "engine stats refresh")
+    names = {"gateway": ["kvpop_time_to_first_token_seconds_count", "kvpop_generation_tokens_total"],
+             "compute": ["kvpop_generation_tokens_total", 'kvpop_kv_evicted_blocks_total{policy="learned"'],
+             "cache-manager": ["kvpop_scoring_latency_seconds_count"]}
+    before = {(svc, m): value(scrape(svc), m) for svc, ms in names.items() for m in ms}
+    _, _, final = collect(gateway.Generate(request(max_tokens=40, ignore_eos=True, policy="learned",
+                                                   budget_tokens=64), timeout=60))
+    evicted = final.usage.kv_blocks_evicted
+    assert evicted > 0
+
+    def moved(svc, m):
+        return value(scrape(svc), m) - before[(svc, m)]
+    assert moved("gateway", "kvpop_time_to_first_token_seconds_count") == 1
+    assert moved("gateway", "kvpop_generation_tokens_total") == 40
+    wait_until(lambda: moved("compute", "kvpop_generation_tokens_total") >= 40, 10, "engine stats refresh")
+    wait_until(lambda: moved("compute", 'kvpop_kv_evicted_blocks_total{policy="learned"') == evicted, 10,
+               "the evictions to be counted")
     assert value(scrape("compute"), "kvpop_kv_pool_pages_total") > 0
-    assert value(scrape("cache-manager"), "kvpop_scoring_latency_seconds_count") >= 1
+    assert moved("cache-manager", "kvpop_scoring_latency_seconds_count") >= 1
 
 
 def test_every_service_has_health_and_reflection(stack):

@@ -56,10 +56,14 @@ def test_up_with_tls_and_token_serves_through_all_services(secure_stack, gateway
     st = secure_stack.stack
     # A learned-policy request crosses gateway -> compute -> cache-manager over mTLS + token.
     wait_until(lambda: secure_stack.compute_info().advisor_connected, 30, "compute to reach the cache-manager")
+    plans_before = secure_stack.compute_info().stats.extra["advisor_plans_received"]
     ids, _, final = collect(gateway.Generate(request(max_tokens=120, ignore_eos=True, policy="learned",
                                                      budget_tokens=64), timeout=120))
     assert final is not None and len(ids) == 120 == final.usage.completion_tokens
-    assert secure_stack.compute_info().stats.extra["advisor_plans_received"] > 0
+    assert secure_stack.compute_info().stats.extra["advisor_plans_received"] > plans_before
+    # Every eviction was ranked by the cache-manager over mTLS (its heuristic: no estimator fits this model).
+    u = final.usage
+    assert u.kv_blocks_evicted > 0 and u.advisor_heuristic_evictions + u.network_evictions == u.kv_blocks_evicted, u
     # The same probe the containers use: internal ports with the TLS variables, the gateway without.
     for name in ("compute", "cache-manager"):
         r = probe(st.proc(name).address, {**clean_env(), **tls_env(secure_stack.pki, "client", token=None)})
