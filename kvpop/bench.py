@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--requests", type=int, default=40, help="requests per side and repeat")
     x.add_argument("--system-len", type=int, default=512, help="shared system prompt (tokens)")
     x.add_argument("--user-len", type=int, default=16, help="distinct user turn (tokens)")
+    from kvpop import bench_learned
+    bench_learned.add_arguments(sub.add_parser(
+        "learned", help="cost of `learned` vs h2o through a running stack (TTFT, TPOT, others' ITL, plan time)"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -62,6 +65,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    if args.bench == "learned":
+        from kvpop import bench_learned
+        return bench_learned.run(args)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

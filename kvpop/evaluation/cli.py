@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
+    p.add_argument("--via", metavar="HOST:PORT",
+                   help="run the prompts through a running gateway (e.g. `kvpop up`) instead of in process; "
+                        "its block size is used; KL is not measured")
+    p.add_argument("--concurrency", type=int, default=16, help="--via: requests in flight at once")
     p.add_argument("--out", required=True, help="output folder")
 
 
@@ -62,6 +66,8 @@ def run(args) -> int:
     if any(not 0.0 < c < 1.0 for c in comps):
         print("compressions must be in (0, 1)")
         return 2
+    if args.via:
+        return run_via(args, policies, comps, families)
     if "learned" in policies and not (model_dir / ESTIMATOR).is_file():
         print(f"note: no {ESTIMATOR} in {model_dir}; skipping the 'learned' policy")
         policies.remove("learned")
@@ -93,5 +99,44 @@ def run(args) -> int:
     out = Path(args.out)
     report.write(rows, families, out, meta)
     print(report.markdown(rows, families))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
+    return 0
+
+
+def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:
+    from kvpop.evaluation import report
+    from kvpop.evaluation.harness import Setting
+    from kvpop.evaluation.served import ServedHarness
+    from kvpop.tasks import suite
+
+    if "oracle" in policies:
+        print("note: 'oracle' is evaluation-only (it knows the answer's positions); not served, skipped")
+        policies = [p for p in policies if p != "oracle"]
+    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
+    if args.quick:
+        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
+    instances = suite.test_set(n, families, args.seed, lo, hi)
+    harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
+    info = harness.info
+    print(f"via {args.via}: model {info.name} ({info.architecture}, {info.num_layers} layers), "
+          f"block size {info.block_size}")
+    t0 = time.time()
+    try:
+        settings = [Setting("dense", 0.0)] + [Setting(p, c) for p in policies if p != "dense" for c in comps]
+        outcomes = harness.run(settings, instances)
+    finally:
+        harness.close()
+    rows = report.records(outcomes, families)
+    decisions = {f"{p}@{c}": d for (p, c), d in sorted(harness.decisions.items()) if d.get("evicted")}
+    meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
+            "block_size": info.block_size, "sink": args.sink, "recent": args.recent,
+            "seconds": round(time.time() - t0, 1), "decisions": decisions}
+    out = Path(args.out)
+    report.write(rows, families, out, meta)
+    print(report.markdown(rows, families))
+    for key, d in decisions.items():
+        if key.startswith("learned"):
+            print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
+                  f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
     return 0

@@ -76,5 +76,6 @@ def plot(rows: list[dict], families: list[str], path: Path) -> None:
 def write(rows: list[dict], families: list[str], out: Path, meta: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families))
     plot(rows, families, out / "accuracy.png")

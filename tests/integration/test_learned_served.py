@@ -152,3 +152,27 @@ def test_cache_manager_killed_then_restarted(served, gateway):
           f"{after.usage.network_evictions}/{after.usage.kv_blocks_evicted} blocks by the network")
     assert reconnect_s <= 2.0
     assert after.usage.network_evictions >= 0.99 * after.usage.kv_blocks_evicted > 0, after.usage
+
+
+def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
+    """`kvpop eval --via`: the eval's prompts through the running stack; the
+    learned rows come with who ranked the evictions (the network, here)."""
+    import argparse
+    import json
+
+    from kvpop.evaluation.cli import add_arguments, run as run_eval
+    wait_until(lambda: compute_info(served).advisor_connected, 30, "compute to reach the cache-manager")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    out = tmp_path / "via"
+    args = p.parse_args(["--via", served.gateway, "--quick", "--policies", "dense,oracle,learned,h2o",
+                         "--compression", "0.75", "--out", str(out)])
+    assert run_eval(args) == 0
+    rows = json.loads((out / "results.json").read_text())
+    meta = json.loads((out / "meta.json").read_text())
+    got = {(r["policy"], r["task"]) for r in rows}
+    assert {("dense", "all"), ("learned", "all"), ("h2o", "all")} <= got and ("oracle", "all") not in got
+    assert all(r["n"] == 4 for r in rows if r["task"] == "all")
+    d = meta["decisions"]["learned@0.75"]
+    assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
+    assert meta["block_size"] == compute_info(served).model.block_size and (out / "accuracy.png").is_file()

@@ -1,0 +1,82 @@
+"""`kvpop eval --via HOST:PORT`: the eval's prompts through a running gateway
+(real gRPC, real compute, real cache-manager), so served quality is measured,
+not assumed. Same instances, budgets, sink, recent window and greedy decoding
+as the in-process harness; the budget is the same count of tokens. KL needs
+teacher forcing, which the public API does not offer: it is reported as 0.
+
+Outcomes also record who ranked each evicted block (usage), so a served
+`learned` result says how much of it was the network's."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import grpc
+from tqdm import tqdm
+
+from kvpop.evaluation.harness import Outcome, Setting, budget_tokens
+from kvpop.tasks.checker import is_correct
+
+
+class ServedHarness:
+    def __init__(self, address: str, sink: int = 4, recent: int = 8, margin: int = 16, concurrency: int = 16,
+                 timeout: float = 600.0):
+        from kvpop.pb import generate_pb2, generate_pb2_grpc
+        from services.compute.eviction import min_budget_blocks
+
+        self.pb = generate_pb2
+        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
+        self.stub = generate_pb2_grpc.KVpopStub(self.channel)
+        self.info = self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
+        self.bs = self.info.block_size
+        self.sink, self.recent, self.margin = sink, recent, margin
+        self.concurrency, self.timeout = concurrency, timeout
+        self.min_budget = min_budget_blocks(-(-sink // self.bs), recent, self.bs) * self.bs
+        self.decisions: dict[tuple[str, float], dict[str, int]] = {}
+        self._lock = threading.Lock()
+
+    def _request(self, o: Outcome):
+        inst, s = o.instance, o.setting
+        req = self.pb.GenerateRequest(prompt=inst.prompt, max_tokens=len(inst.solution_ids) + self.margin,
+                                      temperature=0.0, policy=s.policy, sink_tokens=self.sink,
+                                      recent_tokens=self.recent)
+        if s.policy != "dense":
+            o.budget = budget_tokens(inst, s.compression, self.min_budget)
+            req.budget_tokens = o.budget
+        return req
+
+    def _run_one(self, o: Outcome) -> None:
+        text, ids, usage = [], 0, None
+        for msg in self.stub.Generate(self._request(o), timeout=self.timeout):
+            if msg.HasField("chunk"):
+                text.append(msg.chunk.text)
+                ids += len(msg.chunk.token_ids)
+            else:
+                usage = msg.finished.usage
+        o.text = "".join(text)
+        o.generated = ids
+        o.correct = is_correct(o.instance, o.text)
+        if usage is not None:
+            with self._lock:
+                d = self.decisions.setdefault((o.setting.policy, o.setting.compression), {})
+                for k, v in (("evicted", usage.kv_blocks_evicted), ("network", usage.network_evictions),
+                             ("advisor_heuristic", usage.advisor_heuristic_evictions),
+                             ("fallback", usage.fallback_evictions)):
+                    d[k] = d.get(k, 0) + v
+
+    def run(self, settings: list[Setting], instances, desc: str = "eval via gateway", reference=None) -> list[Outcome]:
+        outcomes = [Outcome(s, inst) for s in settings for inst in instances]
+        if any(not o.instance.prompt for o in outcomes):
+            raise ValueError("instances need their prompt text to be sent through the gateway")
+        bar = tqdm(total=len(outcomes), desc=desc, dynamic_ncols=True, mininterval=2)
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            for fut in as_completed([pool.submit(self._run_one, o) for o in outcomes]):
+                fut.result()   # a failed request fails the eval, with its gRPC status
+                bar.update(1)
+        bar.close()
+        for o in outcomes:
+            o.kl = [0.0]
+        return outcomes
+
+    def close(self) -> None:
+        self.channel.close()
