@@ -242,7 +242,7 @@ def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
 
 
 def shrink_budget(seq: Sequence, pool: KVPool) -> bool:
-    """Cleanup (DESIGN protocol 6): halve the way to the floor and evict now.
+    """Cleanup (docs/design.md, protocol step 6): halve the way to the floor and evict now.
     Returns False when the sequence is already at its floor or is dense."""
     st = seq.eviction
     if st.budget_blocks is None or st.budget_blocks <= st.floor_blocks:

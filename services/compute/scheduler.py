@@ -9,7 +9,7 @@ Admission is by reservation: a sequence reserves the most pages it can ever
 hold (its budgeted footprint), so a running sequence never runs out of pages
 and nothing is ever preempted. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
-their floor (DESIGN protocol 6; a shrunk budget is not restored later); a
+their floor (docs/design.md, protocol step 6; a shrunk budget is not restored later); a
 request that still does not fit waits.
 
 Pages held outside running sequences (the prefix cache, parked sessions:
