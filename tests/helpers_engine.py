@@ -100,7 +100,7 @@ class ScriptedAdvisor:
         self.submitted = 0
         self.plans_sent = 0
 
-    def submit(self, features) -> None:
+    def submit(self, features, gone=None) -> None:
         with self._lock:
             for f in features:
                 self._blocks.setdefault(f.request_id, {})[f.block] = f.attention

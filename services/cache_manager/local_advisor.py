@@ -56,8 +56,9 @@ class LocalAdvisor:
         with self._lock:
             return self.planner.reload()
 
-    def submit(self, features) -> None:
-        """features: compute's BlockFeatures (torch tensors)."""
+    def submit(self, features, gone=None) -> None:
+        """features: compute's BlockFeatures (torch tensors) of one sequence;
+        gone: [L, Hkv, k] blocks its rows evicted since its last submit."""
         by_request: dict[str, list[BlockRecord]] = {}
         for f in features:
             by_request.setdefault(f.request_id, []).append(BlockRecord(
@@ -67,7 +68,8 @@ class LocalAdvisor:
         with self._lock:
             for rid, records in by_request.items():
                 t0 = time.perf_counter()
-                plan = self.planner.apply(rid, records)
+                self.planner.add(rid, records, None if gone is None else gone.numpy())
+                plan = self.planner.plan(rid)
                 self.score_seconds += time.perf_counter() - t0
                 self._plans[rid] = EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
                                                 plan.covers, plan.ranker)

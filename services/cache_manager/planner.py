@@ -113,8 +113,9 @@ class Planner:
         self.add(request_id, records)
         return self.plan(request_id)
 
-    def add(self, request_id: str, records: list[BlockRecord]) -> None:
-        """Fold in a batch of features (ValueError if inconsistent; nothing is folded then)."""
+    def add(self, request_id: str, records: list[BlockRecord], gone: np.ndarray | None = None) -> None:
+        """Fold in a batch of features and the blocks compute's rows evicted
+        since its last batch (ValueError if inconsistent)."""
         for r in records:
             km, vn, att = np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention)
             if len(km) != 3 or vn != km[:2] or att != km[:2]:
@@ -123,6 +124,8 @@ class Planner:
         seq = self.state.get(request_id)
         for r in records:
             seq.add(r)
+        if gone is not None:
+            seq.mark_gone(gone)
 
     def plan(self, request_id: str) -> Plan:
         """Rank every known block of the sequence, most evictable first."""
@@ -143,7 +146,10 @@ class Planner:
         ranker = "network"
         if scores is None:
             scores, ranker = self.heuristic.score(seq), "heuristic"
-        blocks = seq.arrays()["block"]
+        a = seq.arrays()
+        # Blocks a row no longer holds go last: the plan's first names are ones it can evict.
+        scores = np.where(a["gone"], np.inf, scores) if "gone" in a else scores
+        blocks = a["block"]
         return Plan(plan(seq, scores, self.max_plan_blocks), int(blocks.max()) + 1 if len(blocks) else 0, ranker)
 
     def drop(self, request_id: str) -> None:

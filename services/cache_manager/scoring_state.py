@@ -40,6 +40,7 @@ class SequenceState:
                "age": np.zeros(cap, np.float32)}
         for f in _FIELDS:
             new[f] = np.zeros((cap, *getattr(rec, f).shape), np.float32)
+        new["gone"] = np.zeros((cap, *rec.value_norm.shape), bool)
         for k, v in self._data.items():
             new[k][: self.n] = v[: self.n]
         self._data = new
@@ -64,12 +65,24 @@ class SequenceState:
         for f in _FIELDS:
             d[f][row] = getattr(rec, f)
 
+    def mark_gone(self, names: np.ndarray) -> None:
+        """names [L, Hkv, k]: blocks compute's rows evicted (-1 pads; unknown numbers are ignored)."""
+        if not self._data or names.size == 0:
+            return
+        gone = self._data["gone"]
+        if names.ndim != 3 or names.shape[:2] != gone.shape[1:]:
+            raise ValueError(f"gone has shape {names.shape}, expected [L, Hkv, k] with (L, Hkv) {gone.shape[1:]}")
+        uniq, inv = np.unique(names, return_inverse=True)
+        rows = np.array([self._row.get(int(b), -1) for b in uniq])[inv].reshape(names.shape)
+        l, h, j = np.nonzero(rows >= 0)
+        gone[rows[l, h, j], l, h] = True
+
     def __len__(self) -> int:
         return self.n
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Views of the first n rows, in arrival order: block [n], position [n], age [n],
-        key_mean [n, L, Hkv, d], value_norm [n, L, Hkv], attention [n, L, Hkv]."""
+        key_mean [n, L, Hkv, d], value_norm [n, L, Hkv], attention [n, L, Hkv], gone [n, L, Hkv]."""
         return {k: v[: self.n] for k, v in self._data.items()}
 
 

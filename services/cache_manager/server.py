@@ -20,7 +20,7 @@ from typing import AsyncIterator
 import grpc
 
 from kvpop import telemetry
-from kvpop.arrays import from_float_array, to_int_array
+from kvpop.arrays import from_float_array, from_int_array, to_int_array
 from kvpop.config import CacheManagerConfig
 from kvpop.grpc_server import GrpcService
 from kvpop.metrics import get_metrics
@@ -69,7 +69,8 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                key_mean=from_float_array(b.key_mean),
                                value_norm=from_float_array(b.value_norm),
                                attention=from_float_array(b.attention)) for b in batch.blocks]
-        self.planner.add(batch.request_id, records)
+        gone = from_int_array(batch.gone) if batch.HasField("gone") else None
+        self.planner.add(batch.request_id, records, gone)
 
     def _plan(self, request_id: str) -> pb.AdvisorReply:
         plan = self.planner.plan(request_id)

@@ -61,6 +61,8 @@ class EvictionAdvisor(Protocol):
     epoch: int                    # bumped when the advisor lost its state (reconnect): features are re-sent
     on_plan: Callable[[], None] | None   # set by the engine's loop: called (any thread) when a plan arrives
 
-    def submit(self, features: list[BlockFeatures]) -> None: ...
+    def submit(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
+        """Features of one sequence's blocks; ``gone`` [L, Hkv, k]: blocks its rows
+        evicted since its last submit (-1 pads), for plans to rank last."""
     def take_plans(self) -> dict[str, EvictionPlan]: ...
     def release(self, request_id: str) -> None: ...

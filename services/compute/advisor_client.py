@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from kvpop import security
-from kvpop.arrays import from_int_array, to_float_array
+from kvpop.arrays import from_int_array, to_float_array, to_int_array
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
 from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan
@@ -69,8 +69,8 @@ class AdvisorClient:
         with self._lock:
             self._contexts.pop(request_id, None)
 
-    def submit(self, features: list[BlockFeatures]) -> None:
-        self.loop.call_soon_threadsafe(self._enqueue_features, features)
+    def submit(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
+        self.loop.call_soon_threadsafe(self._enqueue_features, features, gone)
 
     def take_plans(self) -> dict[str, EvictionPlan]:
         with self._lock:
@@ -94,7 +94,7 @@ class AdvisorClient:
         self._outbox.append(msg)
         self._wake.set()
 
-    def _enqueue_features(self, features: list[BlockFeatures]) -> None:
+    def _enqueue_features(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
         by_request: dict[str, list[BlockFeatures]] = {}
         for f in features:
             by_request.setdefault(f.request_id, []).append(f)
@@ -106,6 +106,8 @@ class AdvisorClient:
                 key_mean=to_float_array(f.key_mean.float().numpy()),
                 value_norm=to_float_array(f.value_norm.float().numpy()),
                 attention=to_float_array(f.attention.float().numpy())) for f in feats])
+            if gone is not None:
+                batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
             self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),
                                             tracestate=ctx.get("tracestate", "")))
             self.stats["features_sent"] += len(feats)

@@ -406,8 +406,16 @@ class LLMEngine:
         feats = resident_block_features(seq)
         if feats:
             seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-            self._advise("submit", feats)
+            self._advise("submit", feats, self._take_gone(seq))
             self.counters["features_resent"] += len(feats)
+
+    @staticmethod
+    def _take_gone(seq: Sequence):
+        """Blocks the rows evicted since the last submit, [L, Hkv, k] (-1 pads), or None."""
+        gone, seq.gone = seq.gone, []
+        if not gone:
+            return None
+        return torch.cat(gone, -1)
 
     def next_plan_deadline(self) -> float | None:
         """Seconds until the earliest held sequence's plan wait runs out."""
@@ -431,7 +439,7 @@ class LLMEngine:
                 if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
                     seq.submitted_at.clear()
                 seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-                self._advise("submit", feats)
+                self._advise("submit", feats, self._take_gone(seq))
         else:
             blocks_leaving_window(seq)   # advances sent_upto: re-sent in full when the advisor is back
         self._learned_round(seq, time.monotonic())

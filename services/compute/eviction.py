@@ -141,6 +141,13 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     att = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.acc_mass.float())
     held = torch.zeros(L, H, span + 1, dtype=torch.bool, device=dev).scatter_(2, idx, ok)
     present = held[..., :span].any(0).any(0).nonzero().flatten().tolist()
+    # What each row no longer holds, for the advisor to rank last (-1 pads the rows).
+    lost = ~held[..., :span]
+    k = int(lost.sum(-1).max()) if lost.numel() else 0
+    names = torch.arange(first, upto, device=dev).expand(L, H, span)
+    order = lost.to(torch.int8).argsort(-1, descending=True, stable=True)[..., :k]
+    gone = torch.where(lost.gather(2, order), names.gather(2, order), torch.full_like(order, -1))
+    seq.gone = [gone.to(torch.int32).cpu()] if k else []
     km, vn, att = km.cpu(), vn.cpu(), att.cpu()
     return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
                           n - (first + j) * bs) for j in present]
@@ -167,6 +174,8 @@ def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tens
         scores = torch.where(in_plan, rank, local)
     cols = ops.eviction_select(scores.reshape(R, NB), evictable.reshape(R, NB), num_evict)
     pages = seq.page_table.reshape(R, NB).gather(1, cols)
+    if seq.eviction.policy == LEARNED:
+        seq.gone.append(seq.block_index.reshape(R, NB).gather(1, cols).view(L, H, num_evict).cpu())
     drop = torch.zeros(R, NB, dtype=torch.bool, device=cols.device).scatter_(1, cols, True)
     keep = torch.arange(NB, device=cols.device).expand(R, NB)[~drop].view(L, H, NB - num_evict)
     if in_plan is not None:

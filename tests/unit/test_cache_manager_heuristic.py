@@ -66,3 +66,21 @@ def test_state_grows_and_resent_blocks_replace_their_row():
     a = seq.arrays()
     assert len(seq) == 40 and a["attention"].shape == (40, L, H) and a["key_mean"].shape == (40, L, H, D)
     assert a["block"].tolist() == list(range(40)) and (a["attention"][3] == 100.0).all()
+
+
+def test_plan_ranks_blocks_a_row_evicted_last():
+    """compute reports what each row evicted (`gone`): a plan capped at a few
+    names spends them on blocks that row still holds, per row."""
+    import numpy as np
+
+    from services.cache_manager.planner import Planner
+    from services.cache_manager.scoring_state import BlockRecord
+
+    p = Planner("none", max_plan_blocks=3)
+    recs = [BlockRecord(b, b, 1, np.zeros((1, 2, 4), np.float32), np.ones((1, 2), np.float32),
+                        np.full((1, 2), float(b + 1), np.float32)) for b in range(6)]
+    first = p.apply("s", recs)
+    assert first.evict[0, 0].tolist() == [0, 1, 2] and first.covers == 6 and first.ranker == "heuristic"
+    p.add("s", [], gone=np.array([[[0, 1], [-1, -1]]], np.int32))
+    again = p.plan("s").evict
+    assert again[0, 0].tolist() == [2, 3, 4] and again[0, 1].tolist() == [0, 1, 2]

@@ -318,7 +318,7 @@ async def _wait_until(cond, timeout: float = 10.0) -> bool:
 class BrokenAdvisor(ScriptedAdvisor):
     """An advisor whose every call raises: it must count as absent."""
 
-    def submit(self, features):
+    def submit(self, features, gone=None):
         raise ConnectionError("advisor down")
 
     def take_plans(self):
