@@ -20,7 +20,7 @@ class Recording:
     def __init__(self):
         self.features = []
 
-    def submit(self, features):
+    def submit(self, features, gone=None):
         self.features.extend(features)
 
     def take_plans(self):
