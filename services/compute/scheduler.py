@@ -7,7 +7,12 @@ stalls the decodes). Sequences join and leave between steps.
 
 Admission is by reservation: a sequence reserves the most pages it can ever
 hold (its budgeted footprint), so a running sequence never runs out of pages
-and nothing is ever preempted. When admitting would push reservations past
+and nothing is ever preempted. A budgeted sequence reserves its budget (plus
+slack and one block), not its prefill peak: the blocks a prefill chunk puts
+over budget, until its round evicts them (a learned one may wait for its
+plan), come from one shared **overshoot headroom** of one chunk, and a chunk
+is only scheduled (or shortened) so that all sequences' overshoot fits in it.
+So concurrency scales with the budget, not with the chunk size. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
 their floor (docs/design.md, protocol step 6; a shrunk budget is not restored later); a
 request that still does not fit waits.
@@ -42,7 +47,7 @@ class Scheduler:
         self.on_admit = None   # callback(seq) right after a sequence is admitted
 
     def reservation(self, seq: Sequence) -> int:
-        """Pages ``seq`` may hold from now on (see eviction_round for the bounds)."""
+        """Pages ``seq`` may hold from now on, outside the overshoot headroom."""
         st, bs = seq.eviction, seq.block_size
         dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / bs)
         if st.budget_blocks is None:
@@ -54,15 +59,43 @@ class Scheduler:
                 # (drop_outside_window): at most the window plus one chunk, and
                 # a partial block at each end.
                 blocks = min(blocks, math.ceil((self.window + self.prefill_chunk) / bs) + 2)
-        elif seq.in_prefill:
-            blocks = min(dense, st.budget_blocks + st.slack_blocks + math.ceil(self.prefill_chunk / bs) + 1)
-        else:
-            # After its last chunk a sequence may hold the chunk's blocks until its plan comes.
-            blocks = min(dense, max(st.budget_blocks + st.slack_blocks, seq.num_blocks))
-        return blocks * self.rows
+            return blocks * self.rows
+        return self.base_blocks(seq) * self.rows
 
-    def reserved(self) -> int:
-        return sum(self.reservation(s) for s in self.running)
+    @staticmethod
+    def base_blocks(seq: Sequence) -> int:
+        """A budgeted sequence's blocks outside prefill overshoot: the budget, the
+        decode slack of a learned sequence, and the block a decode step opens."""
+        st = seq.eviction
+        dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / seq.block_size)
+        return min(dense, st.budget_blocks + st.slack_blocks + 1)
+
+    def may_overshoot(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can ever hold more than its base (its budget is below its length)."""
+        if seq.eviction.budget_blocks is None:
+            return False
+        return self.base_blocks(seq) < math.ceil((seq.num_prompt + seq.sampling.max_tokens) / seq.block_size)
+
+    def overshoot(self, seq: Sequence) -> int:
+        """Blocks per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""
+        if seq.eviction.budget_blocks is None:
+            return 0
+        return max(0, seq.num_blocks - self.base_blocks(seq))
+
+    def headroom_blocks(self, block_size: int) -> int:
+        """Blocks per row all budgeted sequences together may hold over their
+        base: one prefill chunk, or an eighth of the pool if that is less
+        (chunks are then shortened to fit; two blocks always make progress)."""
+        chunk = math.ceil(self.prefill_chunk / block_size) + 1
+        return min(chunk, max(2, self.pool.capacity // self.rows // 8))
+
+    def reserved(self, candidate: Sequence | None = None) -> int:
+        seqs = self.running + ([candidate] if candidate is not None else [])
+        total = sum(self.reservation(s) for s in seqs)
+        budgeted = [s for s in seqs if self.may_overshoot(s)]
+        if budgeted:
+            total += self.headroom_blocks(budgeted[0].block_size) * self.rows
+        return total
 
     def held(self) -> int:
         return sum(h.num_pages for h in self.holders)
@@ -79,8 +112,10 @@ class Scheduler:
         return True
 
     def add(self, seq: Sequence) -> None:
-        if self.reservation(seq) > self.pool.capacity:
-            raise ValueError(f"request needs up to {self.reservation(seq)} KV pages, the pool has "
+        alone = self.reservation(seq) + (self.headroom_blocks(seq.block_size) * self.rows
+                                         if self.may_overshoot(seq) else 0)
+        if alone > self.pool.capacity:
+            raise ValueError(f"request needs up to {alone} KV pages, the pool has "
                              f"{self.pool.capacity}: lower max_tokens or set a smaller budget")
         self.waiting.append(seq)
 
@@ -95,10 +130,11 @@ class Scheduler:
         cap = self.pool.capacity
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.reservation(seq)
-            while self.reserved() + need > self.cleanup_threshold * cap and self._shrink_one():
+            need = self.reserved(seq) - self.reserved()
+            while self.reserved(seq) > self.cleanup_threshold * cap and self._shrink_one():
                 pass
-            if self.reserved() + need > cap or not self.make_room(need):
+            need = self.reserved(seq) - self.reserved()
+            if self.reserved(seq) > cap or not self.make_room(need):
                 return
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -109,17 +145,41 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         self._admit()
         batch, chunk_left = [], self.prefill_chunk
+        over = sum(self.overshoot(s) for s in self.running)
         for seq in self.running:
             if seq.holding:   # a learned sequence waiting for its eviction plan (only it waits)
                 continue
             todo = seq.num_tokens - seq.num_cached
             if not seq.in_prefill:
                 batch.append((seq, todo))
-            elif chunk_left > 0:
-                t = min(todo, chunk_left)
-                chunk_left -= t
-                batch.append((seq, t))
+                continue
+            if chunk_left <= 0:
+                continue
+            t = min(todo, chunk_left)
+            if seq.eviction.budget_blocks is not None:
+                t = self._fit_chunk(seq, t, over)
+                if t <= 0:
+                    continue
+                over += self._overshoot_after(seq, t) - self.overshoot(seq)
+            chunk_left -= t
+            batch.append((seq, t))
         return batch
+
+    def _overshoot_after(self, seq: Sequence, t: int) -> int:
+        bs = seq.block_size
+        added = math.ceil((seq.num_cached + t) / bs) - math.ceil(seq.num_cached / bs)
+        return max(0, seq.num_blocks + added - self.base_blocks(seq))
+
+    def _fit_chunk(self, seq: Sequence, t: int, over: int) -> int:
+        """The longest chunk (<= t tokens) whose overshoot fits the shared headroom."""
+        room = self.headroom_blocks(seq.block_size) - (over - self.overshoot(seq))
+        if self._overshoot_after(seq, t) <= room:
+            return t
+        bs = seq.block_size
+        limit_blocks = self.base_blocks(seq) + room          # blocks the row may reach
+        start = math.ceil(seq.num_cached / bs)              # blocks its cached tokens occupy
+        fits = (start + limit_blocks - seq.num_blocks) * bs - seq.num_cached
+        return max(0, min(t, fits))
 
     def remove(self, seq: Sequence) -> None:
         """Finish or abort: its pages go back to the pool now."""

@@ -64,7 +64,6 @@ def check_invariants(engine):
             # A learned sequence held for its plan keeps its last prefill chunk until the plan comes.
             chunk = math.ceil(engine.config.prefill_chunk / seq.block_size) + 1 if seq.holding else 0
             assert seq.num_blocks <= st_.budget_blocks + st_.slack_blocks + chunk, (st_, seq.num_blocks)
-            assert seq.num_blocks * seq.num_layers * seq.num_kv_heads <= engine.scheduler.reservation(seq)
         assert bool((bi[:, 1:] > bi[:, :-1]).all()), "rows sorted, no duplicates"
         n, bs = seq.num_cached, seq.block_size
         last = (n - 1) // bs
@@ -74,6 +73,13 @@ def check_invariants(engine):
         must.add(last)
         for row in bi.tolist():
             assert must <= set(row), (must - set(row), st_)
+    sch = engine.scheduler
+    running = [s for s in sch.running if s.num_blocks]
+    if running:
+        # Prefill overshoot of all budgeted sequences together fits the shared headroom,
+        # so the pages held never exceed what admission reserved.
+        assert sum(sch.overshoot(s) for s in running) <= sch.headroom_blocks(running[0].block_size)
+        assert sum(s.page_table.numel() for s in running) <= sch.reserved()
     pages = torch.cat(held) if held else torch.empty(0, dtype=torch.int32)
     assert pages.numel() == pages.unique().numel(), "a page is held twice"
     assert bool((pages > 0).all()), "page 0 is never handed out"

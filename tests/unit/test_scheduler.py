@@ -62,9 +62,11 @@ def test_prefill_chunks_and_decodes_share_a_step(model):
 
 
 def test_cleanup_shrinks_running_budgets_before_queueing(model):
-    """A (decoding, budget 16 blocks) reserves 64 pages; B needs 76 while in
-    prefill. 64 + 76 > 120: without cleanup B would wait. With it, A's budget
-    shrinks to its floor (8 blocks), its blocks are evicted at once, B runs."""
+    """A (decoding, budget 16 blocks) reserves 68 pages (budget + the block a
+    decode step opens), B as much, and both share one chunk of overshoot
+    headroom (12 pages). 68 + 68 + 12 > 121: without cleanup B would wait.
+    With it, A's budget shrinks to its floor (8 blocks), its blocks are
+    evicted at once, B runs."""
     engine = tiny_engine(model, num_pages=121, prefill_chunk=8, cleanup_threshold=0.7)
     ev = EvictionParams("h2o", budget=64, sink=4, recent=8)
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -72,7 +74,7 @@ def test_cleanup_shrinks_running_budgets_before_queueing(model):
     while engine.seqs["a"].in_prefill:
         engine.step()
     a = engine.seqs["a"]
-    assert a.eviction.budget_blocks == 16 and engine.scheduler.reservation(a) == 64
+    assert a.eviction.budget_blocks == 16 and engine.scheduler.reservation(a) == 68
     engine.add_request("b", random_prompt(60, 2), sp, ev)
     engine.step()
     assert engine.stats()["running"] == 2 and engine.stats()["budget_shrinks"] > 0
