@@ -47,9 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--requests", type=int, default=40, help="requests per side and repeat")
     x.add_argument("--system-len", type=int, default=512, help="shared system prompt (tokens)")
     x.add_argument("--user-len", type=int, default=16, help="distinct user turn (tokens)")
-    from kvpop import bench_learned
+    from kvpop import bench_learned, bench_serve
     bench_learned.add_arguments(sub.add_parser(
         "learned", help="cost of `learned` vs h2o through a running stack (TTFT, TPOT, others' ITL, plan time)"))
+    bench_serve.add_arguments(sub.add_parser(
+        "serve", help="requests arriving over time against one KV pool, per policy (throughput, latency, peaks)"))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -65,9 +67,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.bench == "learned":
-        from kvpop import bench_learned
-        return bench_learned.run(args)
+    if args.bench in ("learned", "serve"):
+        from kvpop import bench_learned, bench_serve
+        return {"learned": bench_learned, "serve": bench_serve}[args.bench].run(args)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,7 +17,6 @@ import json
 import re
 import statistics
 import tempfile
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from kvpop.loadgen import Stream, percentile as _pct, request
 from kvpop.paths import DEFAULT_MODEL_DIR
 
 
@@ -45,46 +45,6 @@ def _prompts(n: int, length: int, seed: int) -> list[str]:
     from kvpop.tasks import FAMILIES, suite
     fams = list(FAMILIES)
     return [suite.generate(fams[i % len(fams)], 10_000 + seed * 100 + i, length).prompt for i in range(n)]
-
-
-class Stream:
-    def __init__(self, stub, pb, prompt: str, policy: str, budget: float, new_tokens: int):
-        self.req = pb.GenerateRequest(prompt=prompt, policy=policy, budget_fraction=budget, max_tokens=new_tokens,
-                                      ignore_eos=True)
-        self.stub, self.stamps, self.usage, self.error = stub, [], None, None
-        self.t0 = 0.0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "Stream":
-        self.t0 = time.perf_counter()
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            for msg in self.stub.Generate(self.req, timeout=600):
-                if msg.HasField("chunk"):
-                    self.stamps.extend([time.perf_counter()] * max(1, len(msg.chunk.token_ids)))
-                else:
-                    self.usage = msg.finished.usage
-        except grpc.RpcError as e:
-            self.error = f"{e.code().name}: {e.details()}"
-
-    @property
-    def ttft(self) -> float:
-        return self.stamps[0] - self.t0
-
-    @property
-    def tpot(self) -> float:
-        return (self.stamps[-1] - self.stamps[0]) / max(1, len(self.stamps) - 1)
-
-    def itls(self, lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
-        return [b - a for a, b in zip(self.stamps, self.stamps[1:]) if lo <= b <= hi]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 def _scoring(metrics_url: str | None) -> tuple[float, float]:
@@ -158,14 +118,14 @@ def _measure(args, stub, pb, cm_metrics) -> dict:
     prompts = _prompts(args.streams, args.prompt_len, 0)
     # Warm-up: first calls of each path (and the cache-manager's) are slow.
     for pol in ("h2o", "learned"):
-        Stream(stub, pb, prompts[0], pol, args.budget, 8).start().thread.join()
+        Stream(stub, request(pb, prompts[0], pol, args.budget, 8)).start().thread.join()
     load = {p: {"ttft": [], "tpot": [], "itl": [], "evicted": 0, "network": 0} for p in ("h2o", "learned")}
     plan_s = plan_n = 0.0
     bar = tqdm(total=4 * args.repeats, desc="bench learned", dynamic_ncols=True)
     for r in range(args.repeats):
         for pol in ("h2o", "learned"):
             s0, n0 = _scoring(cm_metrics)
-            streams = [Stream(stub, pb, p, pol, args.budget, args.new_tokens).start() for p in prompts]
+            streams = [Stream(stub, request(pb, p, pol, args.budget, args.new_tokens)).start() for p in prompts]
             for s in streams:
                 s.thread.join()
             s1, n1 = _scoring(cm_metrics)
@@ -183,10 +143,10 @@ def _measure(args, stub, pb, cm_metrics) -> dict:
             bar.update(1)
         for pol in ("h2o", "learned"):
             # Scenario 2: 15 h2o streams decoding, one newcomer of policy `pol`.
-            back = [Stream(stub, pb, p, "h2o", args.budget, 400).start() for p in prompts[1:args.streams]]
+            back = [Stream(stub, request(pb, p, "h2o", args.budget, 400)).start() for p in prompts[1:args.streams]]
             while min(len(s.stamps) for s in back) < 8 and not any(s.error for s in back):
                 time.sleep(0.01)
-            new = Stream(stub, pb, prompts[0], pol, args.budget, 2).start()
+            new = Stream(stub, request(pb, prompts[0], pol, args.budget, 2)).start()
             new.thread.join()
             for s in back:
                 s.thread.join()

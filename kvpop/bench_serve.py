@@ -1,0 +1,256 @@
+"""`kvpop bench serve`: a stream of requests arriving over time against one
+fixed KV pool, through a running stack (like vLLM's serving benchmark).
+
+A seeded workload of task-suite prompts (all four families, 600–1,280
+tokens), greedy, each generating `--new-tokens` (EOS ignored: long
+generations, decode-bound as chat serving is; the answer is checked on the
+text up to its end-of-solution mark). Each request is a distinct client
+(x-client-id), as many users would be. Poisson arrivals at each offered rate (`inf`: everything at once, the
+saturation point). Every policy runs the same requests on the same stack and
+pool, one after the other. Reported per (policy, rate): requests/s, output
+tokens/s, TTFT, time per output token and inter-token latency (p50/p99),
+errors, peak pool pages and peak running sequences (polled from compute),
+the network's share of `learned` evictions, and answer accuracy.
+
+Writes DIR/results.json, DIR/summary.json (throughput_ratio, concurrency_ratio:
+the first non-dense policy over dense at the highest rate), DIR/results.md,
+DIR/throughput.png and DIR/latency_cdf.png.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from kvpop.loadgen import Stream, percentile, request
+from kvpop.paths import DEFAULT_MODEL_DIR
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the stack it starts")
+    p.add_argument("--via", metavar="HOST:PORT", help="a running gateway instead of starting a stack")
+    p.add_argument("--compute", metavar="HOST:PORT", help="with --via: compute, for pool and running peaks")
+    p.add_argument("--policies", default="dense,learned")
+    p.add_argument("--budget", type=float, default=0.125, help="budget fraction of non-dense policies (0.125: 87.5%%)")
+    p.add_argument("--rates", default="4,inf", help="offered requests/s, comma-separated; inf = all at once")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
+    p.add_argument("--requests", type=int, default=96, help="requests per (policy, rate)")
+    p.add_argument("--num-pages", type=int, default=6000, help="KV pool pages of the stack it starts")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sink", type=int, default=4, help="sink tokens of every request")
+    p.add_argument("--recent", type=int, default=8, help="recent-window tokens of every request (the eval's 8)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a small run that checks the benchmark works")
+    p.add_argument("--out", type=Path, required=True)
+
+
+class PeakPoller:
+    """Polls compute's Info for the peak running sequences and pool pages."""
+
+    def __init__(self, address: str | None, period: float = 0.02):
+        self.address, self.period = address, period
+        self.running = self.pages = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if self.address:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.address:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        from kvpop.pb import compute_pb2, compute_pb2_grpc
+        with grpc.insecure_channel(self.address) as ch:
+            stub = compute_pb2_grpc.ComputeStub(ch)
+            while not self._stop.is_set():
+                try:
+                    st = stub.Info(compute_pb2.InfoRequest(), timeout=2).stats
+                    self.running = max(self.running, st.running)
+                    self.pages = max(self.pages, st.pages_used)
+                except grpc.RpcError:
+                    pass
+                self._stop.wait(self.period)
+
+
+def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
+    from kvpop.tasks import FAMILIES, suite
+    per = math.ceil(n / len(FAMILIES))
+    insts = suite.test_set(per, list(FAMILIES), seed, lo, hi)
+    random.Random(seed).shuffle(insts)
+    return insts[:n]
+
+
+def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
+            sink: int = 4, recent: int = 8, new_tokens: int = 256) -> dict:
+    from kvpop.tasks.checker import is_correct
+    rng = random.Random(seed)
+    streams = []
+    t0 = time.perf_counter()
+    with PeakPoller(compute) as peaks:
+        for i, inst in enumerate(insts):
+            if math.isfinite(rate):
+                time.sleep(rng.expovariate(rate))
+            req = request(pb, inst.prompt, policy, budget, new_tokens)
+            req.sink_tokens, req.recent_tokens = sink, recent
+            s = Stream(stub, req, client_id=f"bench-user-{i}")
+            s.inst = inst
+            streams.append(s.start())
+        for s in streams:
+            s.thread.join()
+            bar.update(1)
+    wall = max(s.t_end for s in streams) - t0
+    ok = [s for s in streams if s.error is None and s.stamps]
+    out_tokens = sum(len(s.stamps) for s in ok)
+    evicted = sum(s.usage.kv_blocks_evicted for s in ok if s.usage)
+    network = sum(s.usage.network_evictions for s in ok if s.usage)
+    ms = lambda xs, q: round(1000 * percentile(xs, q), 3)
+    ttft, tpot = [s.ttft for s in ok], [s.tpot for s in ok if len(s.stamps) > 1]
+    itl = [x for s in ok for x in s.itls()]
+    return {
+        "policy": policy, "rate": "inf" if not math.isfinite(rate) else rate, "requests": len(streams),
+        "errors": len(streams) - len(ok), "error_sample": next((s.error for s in streams if s.error), None),
+        "seconds": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3),
+        "output_tokens_per_s": round(out_tokens / wall, 2),
+        "ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99),
+        "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
+        "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
+        "peak_running": peaks.running, "peak_pages": peaks.pages,
+        "network_share": round(network / evicted, 4) if policy == "learned" and evicted else None,
+        "accuracy": round(sum(is_correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
+        "_ttft": ttft, "_itl": itl,
+    }
+
+
+def run(args) -> int:
+    from kvpop.pb import generate_pb2, generate_pb2_grpc
+
+    if args.quick:
+        args.requests, args.rates, args.num_pages, args.new_tokens = 8, "inf", min(args.num_pages, 3000), 32
+    rates = [float(r) for r in args.rates.split(",")]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if any(r <= 0 for r in rates) or args.requests < 1 or not policies:
+        print("kvpop bench serve: --rates must be > 0, --requests >= 1, --policies non-empty")
+        return 2
+    stack = None
+    address, compute = args.via, args.compute
+    if not args.via:
+        from kvpop.launcher import start_stack
+        print(f"starting a stack on {args.model}: {args.num_pages} KV pages, block size {args.block_size}, "
+              f"max {args.max_num_seqs} sequences ...")
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="kvpop-bench-serve-")), model=args.model, timeout=180,
+                            service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
+                                                      str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
+        address, compute = stack.gateway, stack.proc("compute").address
+    insts = workload(args.requests, args.seed)
+    rows = []
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = generate_pb2_grpc.KVpopStub(ch)
+            # Warm both paths (first calls are slow), not measured.
+            for pol in policies:
+                Stream(stub, request(generate_pb2, insts[0].prompt, pol, args.budget, 4)).start().thread.join()
+            bar = tqdm(total=len(policies) * len(rates) * len(insts), desc="bench serve", dynamic_ncols=True)
+            for rate in rates:
+                for pol in policies:
+                    rows.append(run_one(stub, generate_pb2, insts, pol, args.budget, rate, compute,
+                                        args.seed, bar, args.sink, args.recent, args.new_tokens))
+            bar.close()
+    finally:
+        if stack is not None:
+            from kvpop.launcher_down import stop_stack
+            stop_stack(stack, grace=5)
+    write(args, rows, policies, rates)
+    return 0
+
+
+def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
+    top = "inf" if not math.isfinite(max(rates)) else max(rates)
+    at = {r["policy"]: r for r in rows if r["rate"] == top}
+    other = next((p for p in policies if p != "dense"), None)
+    out = {"rate": top, "policies": policies}
+    if "dense" in at and other in at:
+        d, o = at["dense"], at[other]
+        out.update(policy=other,
+                   throughput_ratio=round(o["output_tokens_per_s"] / d["output_tokens_per_s"], 3)
+                   if d["output_tokens_per_s"] else None,
+                   concurrency_ratio=round(o["peak_running"] / d["peak_running"], 3) if d["peak_running"] else None,
+                   p99_ttft_ratio=round(o["ttft_p99_ms"] / d["ttft_p99_ms"], 3) if d["ttft_p99_ms"] else None,
+                   accuracy={"dense": d["accuracy"], other: o["accuracy"]})
+    return out
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ["policy", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+            "ITL p50/p99 ms", "peak running", "peak pages", "network", "accuracy", "errors"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
+        out.append("| " + " | ".join(str(x) for x in [
+            r["policy"], r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+            f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", r["peak_running"], r["peak_pages"], share,
+            f"{r['accuracy']:.3f}", r["errors"]]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write(args, rows: list[dict], policies: list[str], rates: list[float]) -> None:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    s = summary(clean, policies, rates)
+    meta = {"command": "kvpop bench serve", "requests": args.requests, "budget": args.budget,
+            "new_tokens": args.new_tokens,
+            "sink": args.sink, "recent": args.recent,
+            "num_pages": None if args.via else args.num_pages, "block_size": args.block_size, "seed": args.seed}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": clean}, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
+    md = markdown(clean)
+    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + md)
+    plots(rows, policies, rates, out)
+    print(md)
+    print(json.dumps(s))
+    print(f"wrote {out}/results.json, summary.json, results.md, throughput.png, latency_cdf.png")
+
+
+def plots(rows, policies, rates, out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    xs = {r: (i, str(r)) for i, r in enumerate(sorted({row["rate"] for row in rows}, key=lambda v: float(v)))}
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    for pol in policies:
+        pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if r["policy"] == pol)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+    ax.set_xticks([v[0] for v in xs.values()], [v[1] for v in xs.values()])
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+    top = max(xs, key=lambda v: float(v))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, key, title in ((axes[0], "_ttft", "time to first token (s)"), (axes[1], "_itl", "inter-token latency (s)")):
+        for r in rows:
+            if r["rate"] == top and r[key]:
+                v = sorted(r[key])
+                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=r["policy"])
+        ax.set_xscale("log")
+        ax.set_title(f"{title}, rate {top}", fontsize=10)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=120)
+    plt.close(fig)

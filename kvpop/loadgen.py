@@ -1,0 +1,63 @@
+"""Client side of the serving benchmarks: one timed gRPC stream per request
+(arrival, every token's arrival, usage), and percentiles."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+
+def request(pb, prompt: str, policy: str, budget: float | None, new_tokens: int, ignore_eos: bool = True):
+    req = pb.GenerateRequest(prompt=prompt, policy=policy, max_tokens=new_tokens, ignore_eos=ignore_eos,
+                             temperature=0.0)
+    if policy != "dense" and budget is not None:
+        req.budget_fraction = budget
+    return req
+
+
+class Stream:
+    """One request on its own thread: ``start()``, then ``thread.join()``."""
+
+    def __init__(self, stub, req, client_id: str | None = None):
+        self.req, self.stub = req, stub
+        # Each simulated user names itself, as the gateway's per-client stream limit expects.
+        self.metadata = (("x-client-id", client_id),) if client_id else None
+        self.stamps: list[float] = []
+        self.text: list[str] = []
+        self.usage, self.error = None, None
+        self.t0 = self.t_end = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "Stream":
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for msg in self.stub.Generate(self.req, timeout=600, metadata=self.metadata):
+                if msg.HasField("chunk"):
+                    self.stamps.extend([time.perf_counter()] * max(1, len(msg.chunk.token_ids)))
+                    self.text.append(msg.chunk.text)
+                else:
+                    self.usage = msg.finished.usage
+        except grpc.RpcError as e:
+            self.error = f"{e.code().name}: {e.details()}"
+        self.t_end = time.perf_counter()
+
+    @property
+    def ttft(self) -> float:
+        return self.stamps[0] - self.t0
+
+    @property
+    def tpot(self) -> float:
+        return (self.stamps[-1] - self.stamps[0]) / max(1, len(self.stamps) - 1)
+
+    def itls(self, lo: float = float("-inf"), hi: float = float("inf")) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:]) if lo <= b <= hi]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
