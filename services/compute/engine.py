@@ -53,7 +53,9 @@ class EngineConfig:
     prefill_chunk: int = 512
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
-    plan_slack_blocks: int = 2            # decode: blocks a learned sequence may run over while its plan comes
+    # Decode: blocks a learned sequence may run over while its plan comes. None:
+    # at least 16 tokens and 2 blocks, so token-level eviction pipelines too.
+    plan_slack_blocks: int | None = None
     plan_wait_s: float = 0.5              # most a learned sequence is held for a plan before the fallback
     fallback_policy: str = "h2o"          # local ranking for "learned" when no plan can be used
     prefix_cache_fraction: float = 0.1    # most of the pool the prefix cache may hold (0 = off)
@@ -135,6 +137,11 @@ class LLMEngine:
         self.idle = True                                # the last step had nothing to run
         self._advisor_failed = False
 
+    @property
+    def plan_slack_blocks(self) -> int:
+        c = self.config
+        return c.plan_slack_blocks if c.plan_slack_blocks is not None else max(2, math.ceil(16 / c.block_size))
+
     # ------------------------------------------------------------ requests
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
                       sampling: SamplingParams | None = None,
@@ -156,7 +163,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         c, mc = self.config, self.model.config
         state = resolve_eviction(eviction, block_size=c.block_size, prompt_len=len(prompt),
-                                 max_tokens=sampling.max_tokens, plan_slack_blocks=c.plan_slack_blocks,
+                                 max_tokens=sampling.max_tokens, plan_slack_blocks=self.plan_slack_blocks,
                                  cleanup_floor=c.cleanup_floor)
         seq = Sequence(request_id, prompt, sampling, state, mc.num_layers, mc.num_kv_heads,
                        mc.head_dim, c.block_size, self.model.device)
