@@ -53,8 +53,10 @@ class EngineConfig:
     prefill_chunk: int = 512
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
-    # Decode: blocks a learned sequence may run over while its plan comes. None:
-    # at least 16 tokens and 2 blocks, so token-level eviction pipelines too.
+    # Decode: blocks a learned sequence may run over while its plan comes. Small
+    # on purpose: a sequence held for its plan is the back-pressure that keeps
+    # compute from outrunning the cache-manager (16 tokens of slack at block size
+    # 1 let compute flood it: network share fell from 100% to 16-75% under load).
     plan_slack_blocks: int | None = None
     plan_wait_s: float = 0.5              # most a learned sequence is held for a plan before the fallback
     fallback_policy: str = "h2o"          # local ranking for "learned" when no plan can be used
@@ -140,7 +142,7 @@ class LLMEngine:
     @property
     def plan_slack_blocks(self) -> int:
         c = self.config
-        return c.plan_slack_blocks if c.plan_slack_blocks is not None else max(2, math.ceil(16 / c.block_size))
+        return c.plan_slack_blocks if c.plan_slack_blocks is not None else 2
 
     # ------------------------------------------------------------ requests
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
