@@ -102,6 +102,9 @@ class ComputeConfig(ServerConfig):
                                  "most-counted prompt prefixes prefilled before SERVING (0 = none)")
     session_kv_ttl_s: float = setting("KVPOP_SESSION_KV_TTL_S", 600.0,
                                       "seconds an idle session keeps its parked KV on this replica")
+    pipeline_decode_plans: bool = setting("KVPOP_PIPELINE_DECODE_PLANS", False,
+                                          "let a learned sequence decode within its slack while its plan comes "
+                                          "(faster at block size 1; evictions then depend on timing)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 500.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")

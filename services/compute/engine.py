@@ -59,6 +59,10 @@ class EngineConfig:
     # 1 let compute flood it: network share fell from 100% to 16-75% under load).
     plan_slack_blocks: int | None = None
     plan_wait_s: float = 0.5              # most a learned sequence is held for a plan before the fallback
+    # Decode rounds: False (default) holds the sequence for its plan as prefill does, so
+    # served evictions are exactly the in-process ones (deterministic: the eval measures
+    # what is served); True lets it decode within its slack while the plan comes.
+    pipeline_decode_plans: bool = False
     fallback_policy: str = "h2o"          # local ranking for "learned" when no plan can be used
     prefix_cache_fraction: float = 0.1    # most of the pool the prefix cache may hold (0 = off)
     session_ttl_s: float = 600.0          # a parked session idle this long is dropped
@@ -455,8 +459,9 @@ class LLMEngine:
 
     def _learned_round(self, seq: Sequence, now: float) -> None:
         """A learned sequence over its budget evicts on a fresh plan; without
-        one it keeps decoding within its slack, else it is held (alone) until
-        the plan comes or ``plan_wait_s`` passes; then the fallback ranks."""
+        one it is held (alone) until the plan comes or ``plan_wait_s`` passes,
+        then the fallback ranks (with ``pipeline_decode_plans`` a decoding
+        sequence first keeps going within its slack)."""
         over = overshoot(seq)
         if over <= 0:
             seq.plan_wait_since = None
@@ -467,7 +472,7 @@ class LLMEngine:
             return
         reason = plan_problem(seq) or ("" if self._advisor_up() else ADVISOR_DOWN)
         if not reason:
-            if over <= seq.eviction.slack_blocks and not seq.in_prefill:
+            if self.config.pipeline_decode_plans and over <= seq.eviction.slack_blocks and not seq.in_prefill:
                 return                       # pipelined: the plan has a few decode steps to come
             if seq.plan_wait_since is None:
                 seq.plan_wait_since = now    # held from the next schedule on
