@@ -463,10 +463,21 @@ class LLMEngine:
         then the fallback ranks (with ``pipeline_decode_plans`` a decoding
         sequence first keeps going within its slack)."""
         over = overshoot(seq)
+        plan = usable_plan(seq)
         if over <= 0:
+            # Lockstep: every features batch is planned before the sequence runs on,
+            # as in process, so the network sees the same batches served or not.
+            if (plan is None and not self.config.pipeline_decode_plans and self._advisor_up()
+                    and seq.sent_upto > max(seq.eviction.sink_blocks, getattr(seq.pending_plan, "covers", 0))
+                    and not plan_problem(seq)):
+                if seq.plan_wait_since is None:
+                    seq.plan_wait_since = now
+                elif now - seq.plan_wait_since >= self.config.plan_wait_s:
+                    seq.plan_wait_since = None      # nothing to evict: just run on
+                    self.counters["plan_waits_expired"] += 1
+                return
             seq.plan_wait_since = None
             return
-        plan = usable_plan(seq)
         if plan is not None:
             self._round(seq, plan, "")
             return

@@ -11,8 +11,10 @@ and nothing is ever preempted. A budgeted sequence reserves its budget (plus
 slack and one block), not its prefill peak: the blocks a prefill chunk puts
 over budget, until its round evicts them (a learned one may wait for its
 plan), come from one shared **overshoot headroom** of one chunk, and a chunk
-is only scheduled (or shortened) so that all sequences' overshoot fits in it.
-So concurrency scales with the budget, not with the chunk size. When admitting would push reservations past
+is only scheduled when all sequences' overshoot still fits in it. So
+concurrency scales with the budget, not with the chunk size. A budgeted
+prompt is cut at fixed positions (multiples of its chunk) whatever else
+runs, so where its eviction rounds fall does not depend on the load. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
 their floor (docs/design.md, protocol step 6; a shrunk budget is not restored later); a
 request that still does not fit waits.
@@ -156,9 +158,13 @@ class Scheduler:
             if chunk_left <= 0:
                 continue
             t = min(todo, chunk_left)
-            if seq.eviction.budget_blocks is not None:
-                t = self._fit_chunk(seq, t, over)
-                if t <= 0:
+            if self.may_overshoot(seq):
+                # A budgeted prompt is cut at fixed positions (multiples of its chunk),
+                # whatever else runs: its eviction rounds, and so what it keeps, do not
+                # depend on the load. A chunk that does not fit this step waits.
+                unit = self.budgeted_chunk(seq.block_size)
+                t = min(todo, unit - seq.num_cached % unit)
+                if t > chunk_left or self._overshoot_after(seq, t) > self._room(seq, over):
                     continue
                 over += self._overshoot_after(seq, t) - self.overshoot(seq)
             chunk_left -= t
@@ -170,16 +176,15 @@ class Scheduler:
         added = math.ceil((seq.num_cached + t) / bs) - math.ceil(seq.num_cached / bs)
         return max(0, seq.num_blocks + added - self.base_blocks(seq))
 
-    def _fit_chunk(self, seq: Sequence, t: int, over: int) -> int:
-        """The longest chunk (<= t tokens) whose overshoot fits the shared headroom."""
-        room = self.headroom_blocks(seq.block_size) - (over - self.overshoot(seq))
-        if self._overshoot_after(seq, t) <= room:
-            return t
-        bs = seq.block_size
-        limit_blocks = self.base_blocks(seq) + room          # blocks the row may reach
-        start = math.ceil(seq.num_cached / bs)              # blocks its cached tokens occupy
-        fits = (start + limit_blocks - seq.num_blocks) * bs - seq.num_cached
-        return max(0, min(t, fits))
+    def _room(self, seq: Sequence, over: int) -> int:
+        """Overshoot blocks ``seq`` may reach, given everyone else's."""
+        return self.headroom_blocks(seq.block_size) - (over - self.overshoot(seq))
+
+    def budgeted_chunk(self, block_size: int) -> int:
+        """Prefill chunk of a budgeted sequence: ``prefill_chunk``, or less when the
+        headroom is smaller (a tiny pool), in whole blocks. Fixed per engine."""
+        fit = (self.headroom_blocks(block_size) - 1) * block_size   # >= one block (headroom >= 2)
+        return min(self.prefill_chunk, fit)
 
     def remove(self, seq: Sequence) -> None:
         """Finish or abort: its pages go back to the pool now."""
