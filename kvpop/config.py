@@ -105,7 +105,7 @@ class ComputeConfig(ServerConfig):
     pipeline_decode_plans: bool = setting("KVPOP_PIPELINE_DECODE_PLANS", False,
                                           "let a learned sequence decode within its slack while its plan comes "
                                           "(faster at block size 1; evictions then depend on timing)")
-    plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 500.0,
+    plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")
 

@@ -58,7 +58,7 @@ class EngineConfig:
     # compute from outrunning the cache-manager (16 tokens of slack at block size
     # 1 let compute flood it: network share fell from 100% to 16-75% under load).
     plan_slack_blocks: int | None = None
-    plan_wait_s: float = 0.5              # most a learned sequence is held for a plan before the fallback
+    plan_wait_s: float = 2.0              # most a learned sequence is held for a plan before the fallback
     # Decode rounds: False (default) holds the sequence for its plan as prefill does, so
     # served evictions are exactly the in-process ones (deterministic: the eval measures
     # what is served); True lets it decode within its slack while the plan comes.
@@ -467,7 +467,7 @@ class LLMEngine:
         if over <= 0:
             # Lockstep: every features batch is planned before the sequence runs on,
             # as in process, so the network sees the same batches served or not.
-            if (plan is None and not self.config.pipeline_decode_plans and self._advisor_up()
+            if (plan is None and not self.config.pipeline_decode_plans and self._advisor_up() and not seq.plan_gave_up
                     and seq.sent_upto > max(seq.eviction.sink_blocks, getattr(seq.pending_plan, "covers", 0))
                     and not plan_problem(seq)):
                 if seq.plan_wait_since is None:
@@ -479,9 +479,12 @@ class LLMEngine:
             seq.plan_wait_since = None
             return
         if plan is not None:
+            seq.plan_gave_up = False
             self._round(seq, plan, "")
             return
         reason = plan_problem(seq) or ("" if self._advisor_up() else ADVISOR_DOWN)
+        if not reason and seq.plan_gave_up:
+            reason = NO_PLAN    # a live but stuck advisor stalls a sequence once, not every round
         if not reason:
             if self.config.pipeline_decode_plans and over <= seq.eviction.slack_blocks and not seq.in_prefill:
                 return                       # pipelined: the plan has a few decode steps to come
@@ -490,7 +493,7 @@ class LLMEngine:
                 return
             if now - seq.plan_wait_since < self.config.plan_wait_s:
                 return
-            reason = NO_PLAN
+            reason, seq.plan_gave_up = NO_PLAN, True
         self._round(seq, None, reason)
 
     def _round(self, seq: Sequence, plan, reason: str) -> None:

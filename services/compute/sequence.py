@@ -66,6 +66,7 @@ class Sequence:
     submitted_at: dict = field(default_factory=dict)
     rounds: list = field(default_factory=list)   # eviction rounds since the last output (trace events)
     fallback_warned: bool = False
+    plan_gave_up: bool = False     # its last wait ran out: no more waits until a plan comes
     gone: list = field(default_factory=list)     # learned: [L, Hkv, k] blocks evicted since the last submit
     # set by the engine
     policy: object | None = None   # Policy that ranks blocks (the fallback for "learned")
