@@ -53,6 +53,7 @@ class EngineConfig:
     prefill_chunk: int = 512
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
+    prefill_headroom_chunks: int = 2      # prefill overshoot all budgeted sequences share (scheduler.py)
     # Decode: blocks a learned sequence may run over while its plan comes. Small
     # on purpose: a sequence held for its plan is the back-pressure that keeps
     # compute from outrunning the cache-manager (16 tokens of slack at block size
@@ -120,7 +121,8 @@ class LLMEngine:
             self.pool = KVPool(pages, config.block_size, mc.head_dim, model.dtype, model.device)
         self.runner = ModelRunner(model, self.pool)
         self.scheduler = Scheduler(self.pool, mc.num_layers * mc.num_kv_heads, config.max_num_seqs,
-                                   config.prefill_chunk, config.cleanup_threshold, mc.sliding_window)
+                                   config.prefill_chunk, config.cleanup_threshold, mc.sliding_window,
+                                   config.prefill_headroom_chunks)
         self.eos_ids = set(tokenizer.eos_token_ids) if tokenizer is not None else set(mc.eos_token_ids)
         rows = mc.num_layers * mc.num_kv_heads
         self.prefix_cache = None

@@ -10,7 +10,7 @@ hold (its budgeted footprint), so a running sequence never runs out of pages
 and nothing is ever preempted. A budgeted sequence reserves its budget (plus
 slack and one block), not its prefill peak: the blocks a prefill chunk puts
 over budget, until its round evicts them (a learned one may wait for its
-plan), come from one shared **overshoot headroom** of one chunk, and a chunk
+plan), come from one shared **overshoot headroom** of a few chunks, and a chunk
 is only scheduled when all sequences' overshoot still fits in it. So
 concurrency scales with the budget, not with the chunk size. A budgeted
 prompt is cut at fixed positions (multiples of its chunk) whatever else
@@ -36,8 +36,9 @@ from services.compute.sequence import Sequence, SequenceStatus
 
 class Scheduler:
     def __init__(self, pool: KVPool, rows: int, max_num_seqs: int, prefill_chunk: int,
-                 cleanup_threshold: float, window: int | None = None):
+                 cleanup_threshold: float, window: int | None = None, headroom_chunks: int = 2):
         self.pool, self.rows = pool, rows   # rows = layers x kv-heads: pages per block
+        self.headroom_chunks = headroom_chunks
         self.window = window                # sliding window of the model (dense rows stay within it)
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.cleanup_threshold = cleanup_threshold
@@ -86,10 +87,11 @@ class Scheduler:
 
     def headroom_blocks(self, block_size: int) -> int:
         """Blocks per row all budgeted sequences together may hold over their
-        base: one prefill chunk, or an eighth of the pool if that is less
-        (chunks are then shortened to fit; two blocks always make progress)."""
+        base: ``headroom_chunks`` prefill chunks (so several prompts' chunks can
+        wait for their plans at once), or an eighth of the pool if that is less
+        (a budgeted chunk is then shorter; two blocks always make progress)."""
         chunk = math.ceil(self.prefill_chunk / block_size) + 1
-        return min(chunk, max(2, self.pool.capacity // self.rows // 8))
+        return min(self.headroom_chunks * chunk, max(2, self.pool.capacity // self.rows // 8))
 
     def reserved(self, candidate: Sequence | None = None) -> int:
         seqs = self.running + ([candidate] if candidate is not None else [])
