@@ -95,7 +95,8 @@ def test_targets_and_features_match_a_naive_dense_computation(target):
 def test_trace_features_are_what_the_engine_streams():
     model = tiny_model(seed=5)
     rec = Recording()
-    eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16)
+    # It never plans: pipelined, the sequence does not wait for plans (nothing is evicted anyway).
+    eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True)
     prompt = random_prompt(37, seed=2)
     # budget = the whole request: nothing is evicted, so compute's statistics are the dense ones.
     eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
