@@ -10,6 +10,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvpop.launcher", "start redis (if needed), cache-manager, compute and gateway"),
     "down": ("kvpop.launcher_down", "stop a stack started by `kvpop up`"),
+    "status": ("kvpop.status", "processes, restarts and health of a stack started by `kvpop up`"),
+    "restart": ("kvpop.restart", "restart one service of a stack started by `kvpop up`"),
     "generate": ("kvpop.client", "stream a completion from a running gateway"),
     "bench": ("kvpop.bench", "benchmarks (engine vs transformers, ...)"),
     "tasks": ("kvpop.tasks.cli", "print or dump reasoning-task instances"),

@@ -35,6 +35,16 @@ def _optional_int(s: str) -> int | None:
     return None if s.strip() in ("", "none", "auto") else int(s)
 
 
+def _on_off_auto(s: str) -> str:
+    v = s.strip().lower()
+    if v == "auto":
+        return v
+    try:
+        return "on" if _parse_bool(v) else "off"
+    except ValueError:
+        raise ValueError(f"expected on, off or auto, got {s!r}") from None
+
+
 def setting(env: str, default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
     if parse is None:
         parse = _parse_bool if isinstance(default, bool) else type(default)
@@ -50,6 +60,9 @@ class ServerConfig:
     grace_s: float = setting("KVPOP_GRACE_S", 5.0, "on SIGTERM, seconds in-flight streams get to finish")
     max_message_bytes: int = setting("KVPOP_MAX_MESSAGE_BYTES", 4 * 1024 * 1024,
                                      "largest gRPC message accepted (RESOURCE_EXHAUSTED beyond)")
+    reflection: str = setting("KVPOP_REFLECTION", "auto", "serve gRPC server reflection: on, off, or auto "
+                              "(= on for the public gateway, off for compute and the cache-manager)",
+                              _on_off_auto)
 
     def validate(self) -> None:
         if not -1 <= getattr(self, "metrics_port", -1) < 65536:
@@ -58,6 +71,8 @@ class ServerConfig:
             raise ConfigError("KVPOP_GRACE_S must be >= 0")
         if self.max_message_bytes < 1024:
             raise ConfigError("KVPOP_MAX_MESSAGE_BYTES must be >= 1024")
+        if self.reflection not in ("on", "off", "auto"):
+            raise ConfigError("KVPOP_REFLECTION must be on, off or auto")
         if not 0 <= getattr(self, "port", 0) < 65536:
             raise ConfigError("port must be in [0, 65535]")
 
@@ -108,9 +123,20 @@ class ComputeConfig(ServerConfig):
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")
+    # Compute's own limits: whoever calls it (a gateway, or anyone holding the token) is held to them.
+    max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
+                                    "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
+    max_tokens_limit: int = setting("KVPOP_MAX_TOKENS_LIMIT", 4096,
+                                    "largest max_tokens a request may ask for (RESOURCE_EXHAUSTED beyond)")
+    max_streams: int = setting("KVPOP_MAX_COMPUTE_STREAMS", 1024,
+                               "most Generate streams open on this compute replica at once, all callers together "
+                               "(RESOURCE_EXHAUSTED beyond)")
 
     def validate(self) -> None:
         super().validate()
+        if self.max_prompt_chars < 1 or self.max_tokens_limit < 1 or self.max_streams < 1:
+            raise ConfigError("KVPOP_MAX_PROMPT_CHARS, KVPOP_MAX_TOKENS_LIMIT and KVPOP_MAX_COMPUTE_STREAMS "
+                              "must be >= 1")
         if self.heartbeat_s <= 0 or self.prewarm_top_k < 0:
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0 and KVPOP_PREWARM_TOP_K >= 0")
         if self.session_kv_ttl_s <= 0:

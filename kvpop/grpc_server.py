@@ -5,7 +5,24 @@ goes NOT_SERVING, new calls are refused, in-flight streams get `grace_s`).
 
 A service supplies `build(cfg, service) -> App`: it registers its servicers on
 `service.server`; `App.ready()` runs after the port is open (load a model, reach
-a dependency) and `App.close()` after the drain.
+a dependency) and `App.close()` after the drain. An optional `App.watch(service)`
+runs from SERVING until the drain and keeps the health names true
+(`service.set_status(name, ok)`).
+
+Health names (grpc.health.v1), the same on every service:
+
+- `""` and each full service name (e.g. `kvpop.compute.v1.Compute`): readiness,
+  SERVING while the service can do its job (the gateway: while a compute
+  replica answers). `/healthz` on the metrics port says the same (200 / 503).
+- `kvpop.live`: liveness, SERVING from the moment the port is open (model
+  loading included) until the drain. `/livez` says the same, and turns 503
+  when the event loop stops turning for `LIVE_STALE_S`.
+- capability names (`kvpop.compute.advisor`, `kvpop.compute.redis`,
+  `kvpop.gateway.redis`, ...): a dependency that degrades the service without
+  stopping it; NOT_SERVING while it is gone (docs/deploy.md lists them).
+
+Reflection is served on the public gateway, and on compute and the
+cache-manager only with `KVPOP_REFLECTION=on`.
 """
 from __future__ import annotations
 
@@ -15,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Awaitable, Callable, Protocol, TypeVar
 
 import grpc
@@ -28,6 +46,9 @@ from kvpop.config import ConfigError, ServerConfig, add_arguments, load
 log = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=ServerConfig)
+
+LIVE = "kvpop.live"
+LIVE_STALE_S = 30.0     # /livez fails when the event loop has not turned for this long
 
 
 class App(Protocol):
@@ -60,14 +81,22 @@ class GrpcService:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names: list[str] = []
         self.port = 0
+        # Health name -> serving, as last set: /healthz and /livez read it from their thread.
+        self.status: dict[str, bool] = {}
+        self.draining = False
+        self.ever_serving = False
+        self.loop_beat = time.monotonic()
+        mode = getattr(cfg, "reflection", "auto")
+        self.reflection = mode == "on" or (mode == "auto" and not internal)
 
     def add(self, full_service_name: str) -> None:
         """Record a registered servicer's full name (for health and reflection)."""
         self.service_names.append(full_service_name)
 
     async def start(self) -> int:
-        names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, self.server)
+        if self.reflection:
+            names = [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            reflection.enable_server_reflection(names, self.server)
         addr = f"{self.cfg.host}:{self.cfg.port}"
         try:
             self.port = security.add_port(self.server, addr, self.security)
@@ -75,13 +104,46 @@ class GrpcService:
             raise RuntimeError(f"{self.name}: cannot bind {addr}: {e}") from None
         await self.server.start()
         await self.set_serving(False)
+        await self.set_status(LIVE, True)
         log.info("%s listening on %s:%d", self.name, self.cfg.host, self.port)
         return self.port
 
+    async def set_status(self, name: str, serving: bool) -> None:
+        """Set one health name (ignored once draining: everything is NOT_SERVING then)."""
+        if self.draining:
+            return
+        if self.status.get(name) != serving and name not in ("", LIVE, *self.service_names):
+            log.log(logging.INFO if serving else logging.WARNING, "%s: health %s %s", self.name, name,
+                    "SERVING" if serving else "NOT_SERVING")
+        self.status[name] = serving
+        await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving
+                              else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        """Readiness: "" and every service name."""
+        # Flips after the first SERVING are worth a line (serve() announces the first one).
+        if not self.draining and self.ever_serving and self.status.get("") != serving:
+            log.log(logging.INFO if serving else logging.WARNING, "%s: health now %s", self.name,
+                    "SERVING" if serving else "NOT_SERVING")
+        self.ever_serving = self.ever_serving or serving
         for name in ("", *self.service_names):
-            await self.health.set(name, status)
+            await self.set_status(name, serving)
+
+    async def enter_drain(self) -> None:
+        self.draining = True
+        self.status = {name: False for name in self.status}
+        await self.health.enter_graceful_shutdown()
+
+    def ready(self) -> bool:
+        return self.status.get("", False)
+
+    def live(self) -> bool:
+        return not self.draining and time.monotonic() - self.loop_beat < LIVE_STALE_S
+
+    async def beat_loop(self) -> None:
+        while True:
+            self.loop_beat = time.monotonic()
+            await asyncio.sleep(1.0)
 
 
 def configure_logging(level: str) -> None:
@@ -94,14 +156,15 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
     service = GrpcService(name, cfg, internal=internal)
     app = await build(cfg, service)
     await service.start()
-    serving = False
+    beat = asyncio.create_task(service.beat_loop())
     metrics_server = None
     mport = getattr(cfg, "metrics_port", -1)
     if mport >= 0:
         from kvpop.metrics import start_metrics_server
 
         try:
-            metrics_server = start_metrics_server(mport, cfg.host, ready=lambda: serving, service=name)
+            metrics_server = start_metrics_server(mport, cfg.host, ready=service.ready, service=name,
+                                                  live=service.live, details=lambda: dict(service.status))
         except OSError as e:
             raise RuntimeError(f"{name}: cannot serve metrics on {cfg.host}:{mport}: {e}") from None
         log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, metrics_server.port)
@@ -114,20 +177,25 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     rc = 0
+    watcher = None
     if ready.done():
         if ready.exception() is not None:
             log.error("%s failed to start: %s", name, ready.exception(), exc_info=ready.exception())
             rc = 1
         else:
             await service.set_serving(True)
-            serving = True
             log.info("%s SERVING on %s:%d", name, cfg.host, service.port)
+            watch = getattr(app, "watch", None)
+            if watch is not None:
+                watcher = asyncio.create_task(watch(service))
             await stopped
     else:
         ready.cancel()
-    serving = False
     log.info("%s draining (grace %.1fs)", name, cfg.grace_s)
-    await service.health.enter_graceful_shutdown()
+    for task in (watcher, beat):
+        if task is not None:
+            task.cancel()
+    await service.enter_drain()
     drain = getattr(app, "drain", None)
     if drain is not None:
         await drain()

@@ -5,12 +5,24 @@ grpc.health.v1, print the gateway address.
 State lives in `<state dir>/stack.json` (default `.kvpop/`, or KVPOP_STATE_DIR),
 logs in `<state dir>/logs/<service>.log`. `kvpop down` reads the state.
 The integration tests start their stacks through `start_stack` too.
+
+Closed by default: unless the environment already names an internal token
+(`KVPOP_INTERNAL_TOKEN` or `KVPOP_INTERNAL_TOKEN_FILE`), a fresh random one is
+written to `<state dir>/internal_token` (mode 0600) and every service reads it
+from there (`KVPOP_INTERNAL_TOKEN_FILE`): compute and the cache-manager refuse
+calls without it (UNAUTHENTICATED); the gateway and compute send it.
+
+Supervised: once everything is SERVING, a supervisor process
+(`kvpop/supervisor.py`, recorded in stack.json as `supervisor`) restarts any
+service that exits, with backoff, and reports a crash loop in
+`<state dir>/supervisor.json` (`kvpop status`) and its log.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -22,6 +34,8 @@ from pathlib import Path
 from kvpop.paths import REPO_ROOT
 
 STATE_FILE = "stack.json"
+TOKEN_FILE = "internal_token"
+SUPERVISOR = "supervisor"
 SERVICES = ("cache-manager", "compute", "gateway")
 _MODULES = {"cache-manager": "services.cache_manager", "compute": "services.compute", "gateway": "services.gateway"}
 
@@ -53,6 +67,17 @@ def proc_start_time(pid: int) -> str | None:
     return None if stat is None else stat[19]
 
 
+def proc_uptime(proc: "Proc") -> float | None:
+    """Seconds since `proc` started (None when unknown)."""
+    if not proc.started:
+        return None
+    try:
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError):
+        return None
+    return max(0.0, since_boot - int(proc.started) / os.sysconf("SC_CLK_TCK"))
+
+
 @dataclass
 class Proc:
     name: str
@@ -75,6 +100,7 @@ class Stack:
     redis_url: str = ""
     processes: list[Proc] = field(default_factory=list)
     metrics: dict[str, str] = field(default_factory=dict)
+    token_file: str = ""        # the internal token `kvpop up` generated ('' = none, or given by the caller)
 
     def save(self) -> None:
         path = Path(self.state_dir) / STATE_FILE
@@ -89,10 +115,40 @@ class Stack:
             return None
         raw = json.loads(path.read_text())
         return cls(state_dir=raw["state_dir"], gateway=raw.get("gateway", ""), redis_url=raw.get("redis_url", ""),
-                   processes=[Proc(**p) for p in raw.get("processes", [])], metrics=raw.get("metrics", {}))
+                   processes=[Proc(**p) for p in raw.get("processes", [])], metrics=raw.get("metrics", {}),
+                   token_file=raw.get("token_file", ""))
 
     def proc(self, name: str) -> Proc:
         return next(p for p in self.processes if p.name == name)
+
+    def has(self, name: str) -> bool:
+        return any(p.name == name for p in self.processes)
+
+    def reload(self) -> "Stack":
+        """Refresh this object from stack.json (the supervisor rewrites it when it restarts a service)."""
+        disk = Stack.load(Path(self.state_dir))
+        if disk is not None:
+            self.processes, self.metrics, self.token_file = disk.processes, disk.metrics, disk.token_file
+        return self
+
+    def security(self, env: dict[str, str] | None = None):
+        """How to call this stack's internal services: the TLS settings of `env`
+        (default: this process's) and the stack's internal token."""
+        from kvpop.security import ENV_TOKEN, ENV_TOKEN_FILE, SecurityConfig
+
+        env = dict(os.environ if env is None else env)
+        if self.token_file and not env.get(ENV_TOKEN):
+            env[ENV_TOKEN_FILE] = self.token_file
+        return SecurityConfig.from_env(env)
+
+
+def supervisor_of(stack: Stack) -> Proc | None:
+    """The stack's supervisor if it is running (read from stack.json)."""
+    disk = Stack.load(Path(stack.state_dir))
+    if disk is None or not disk.has(SUPERVISOR):
+        return None
+    sup = disk.proc(SUPERVISOR)
+    return sup if sup.alive() else None
 
 
 def _spawn(stack: Stack, name: str, cmd: list[str], address: str, env: dict[str, str]) -> Proc:
@@ -180,8 +236,12 @@ def _check_redis_url(url: str) -> None:
 def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | None = None,
                 port: int | None = None, host: str = "127.0.0.1", policy: str | None = None,
                 service_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
-                timeout: float = 180.0, progress=None) -> Stack:
-    """Start everything and wait for SERVING; on failure stop what was started and raise LaunchError."""
+                timeout: float = 180.0, progress=None, supervise: bool = True,
+                internal_token: bool = True) -> Stack:
+    """Start everything and wait for SERVING; on failure stop what was started and raise LaunchError.
+
+    internal_token: generate the stack's token unless `env` or the environment names one.
+    supervise: start the supervisor once everything is SERVING (off: nothing restarts a dead service)."""
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     old = Stack.load(state_dir)
@@ -192,6 +252,12 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
     stack = Stack(state_dir=str(state_dir))
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+    from kvpop.security import ENV_TOKEN, ENV_TOKEN_FILE, write_token
+
+    if internal_token and not child_env.get(ENV_TOKEN) and not child_env.get(ENV_TOKEN_FILE):
+        # A fresh secret per stack, in a file only this user can read; the services read the file.
+        stack.token_file = str(write_token(state_dir / TOKEN_FILE, secrets.token_hex(32)))
+        child_env[ENV_TOKEN_FILE] = stack.token_file
     extra = service_args or {}
     deadline = time.monotonic() + timeout
     try:
@@ -250,6 +316,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
                 raise LaunchError(f"{names} not SERVING after {timeout:.0f}s; see {logs}")
             if waiting:
                 time.sleep(0.1)
+        if supervise:
+            _start_supervisor(stack, child_env, deadline)
+            say(f"{SUPERVISOR:<14} pid {stack.proc(SUPERVISOR).pid}")
     except BaseException:
         from kvpop.launcher_down import stop_stack
 
@@ -258,32 +327,106 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
     return stack
 
 
-def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Proc:
-    """Start a stopped (or killed) service again with its original command and
-    address; waits for SERVING. `env`: the extra variables it was started with."""
-    old = stack.proc(name)
-    if not _died(old):
-        raise LaunchError(f"{name} is still running (pid {old.pid})")
-    index = stack.processes.index(old)
-    stack.processes.remove(old)
+def _start_supervisor(stack: Stack, env: dict[str, str], deadline: float) -> Proc:
+    """Start the supervisor; from here on it alone writes stack.json (it adds itself)."""
+    logs = Path(stack.state_dir) / "logs"
+    log_path = logs / f"{SUPERVISOR}.log"
+    cmd = [sys.executable, "-m", "kvpop.supervisor", "--state-dir", stack.state_dir]
+    with open(log_path, "ab") as log:
+        p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             cwd=REPO_ROOT, env=env, start_new_session=True)
+    end = max(deadline, time.monotonic() + 30)
+    while True:
+        disk = Stack.load(Path(stack.state_dir))
+        if disk is not None and disk.has(SUPERVISOR) and disk.proc(SUPERVISOR).pid == p.pid:
+            stack.processes = disk.processes
+            return stack.proc(SUPERVISOR)
+        if p.poll() is not None:
+            tail = log_tail(Proc(SUPERVISOR, p.pid, "", str(log_path), cmd))
+            raise LaunchError(f"the supervisor exited with {p.returncode}; log {log_path}:\n{tail}")
+        if time.monotonic() > end:
+            p.kill()
+            raise LaunchError(f"the supervisor did not start; see {log_path}")
+        time.sleep(0.05)
+
+
+def _service_env(stack: Stack, env: dict[str, str] | None) -> dict[str, str]:
+    from kvpop.security import ENV_TOKEN, ENV_TOKEN_FILE
+
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
-    proc = _spawn(stack, name, old.cmd, old.address, child_env)
-    # Keep its place: `down` stops in reverse start order (gateway before compute before cache-manager).
-    stack.processes.remove(proc)
-    stack.processes.insert(index, proc)
-    stack.save()
+    if stack.token_file and not child_env.get(ENV_TOKEN):
+        child_env[ENV_TOKEN_FILE] = stack.token_file
+    return child_env
+
+
+def wait_serving(stack: Stack, name: str, timeout: float, env: dict[str, str] | None = None) -> None:
+    """Wait until `name` (as stack.json says now) answers: SERVING, or PONG for redis."""
+    proc = stack.proc(name)
     deadline = time.monotonic() + timeout
     if name == "redis":
         _wait_redis(proc, int(proc.address.rsplit(":", 1)[1]), deadline)
-        return proc
-    security = _probe_security(name, child_env)
+        return
+    security = _probe_security(name, _service_env(stack, env))
     while not _serving(proc.address, security):
         if _died(proc):
             raise LaunchError(f"{name} exited during restart; log {proc.log}:\n{log_tail(proc)}")
         if time.monotonic() > deadline:
             raise LaunchError(f"{name} not SERVING {timeout:.0f}s after restart; see {proc.log}")
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def request_restart(state_dir: Path | str, name: str) -> Path:
+    """Ask the supervisor to restart `name` (SIGTERM, its grace, then a new process)."""
+    from kvpop.supervisor import CONTROL_DIR
+
+    control = Path(state_dir) / CONTROL_DIR
+    control.mkdir(exist_ok=True)
+    path = control / f"restart-{name}"
+    path.write_text(str(time.time()))
+    return path
+
+
+def restart_service(stack: Stack, name: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Proc:
+    """`name` runs anew and is SERVING; returns its new Proc (and updates `stack`).
+
+    Supervised stack: the supervisor restarts it (now, if it is still running;
+    a dead one it restarts by itself) and this waits for the new process.
+    Otherwise the service must be stopped (or killed) first, and this starts it
+    again with its original command and address. `env`: the extra variables
+    it was started with."""
+    if supervisor_of(stack) is not None:
+        return _restart_supervised(stack, name, env, timeout)
+    old = stack.proc(name)
+    if not _died(old):
+        raise LaunchError(f"{name} is still running (pid {old.pid})")
+    index = stack.processes.index(old)
+    stack.processes.remove(old)
+    proc = _spawn(stack, name, old.cmd, old.address, _service_env(stack, env))
+    # Keep its place: `down` stops in reverse start order (gateway before compute before cache-manager).
+    stack.processes.remove(proc)
+    stack.processes.insert(index, proc)
+    stack.save()
+    wait_serving(stack, name, timeout, env)
+    return proc
+
+
+def _restart_supervised(stack: Stack, name: str, env: dict[str, str] | None, timeout: float) -> Proc:
+    before = stack.proc(name)
+    now = Stack.load(Path(stack.state_dir)).proc(name)
+    if (now.pid, now.started) == (before.pid, before.started) and now.alive():
+        request_restart(stack.state_dir, name)
+    deadline = time.monotonic() + timeout
+    while True:
+        stack.reload()
+        proc = stack.proc(name)
+        if (proc.pid, proc.started) != (before.pid, before.started) and proc.alive():
+            break
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the supervisor did not restart {name} within {timeout:.0f}s; "
+                              f"see {Path(stack.state_dir) / 'logs' / 'supervisor.log'}")
+        time.sleep(0.05)
+    wait_serving(stack, name, max(1.0, deadline - time.monotonic()), env)
     return proc
 
 
@@ -314,6 +457,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="KV block size in positions")
     p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+    p.add_argument("--no-supervisor", action="store_true",
+                   help="start no supervisor: a service that exits stays down")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -326,7 +471,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack = start_stack(state_dir, model=args.model, redis_url=args.redis_url, port=args.port, host=args.host,
                             policy=args.policy, service_args={"compute": compute, "gateway": gateway},
-                            timeout=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                            timeout=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                            supervise=not args.no_supervisor)
     except LaunchError as e:
         print(f"kvpop up: error: {e}", file=sys.stderr)
         return 1
@@ -335,5 +481,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(f"model: {_model_line(stack.gateway)}", file=sys.stderr)
     print(f"logs and state in {state_dir}; metrics at {', '.join(stack.metrics.values())}", file=sys.stderr)
+    if stack.token_file:
+        print(f"internal token (compute, cache-manager) in {stack.token_file}, mode 0600", file=sys.stderr)
     print(stack.gateway)
     return 0

@@ -1,8 +1,9 @@
 """`kvpop down`: stop a stack started by `kvpop up`, then remove its state.
 
-One process group at a time, newest first (gateway, compute, cache-manager,
-redis), so each drains its in-flight streams while what it calls still runs:
-SIGTERM, then SIGKILL after the grace period."""
+The supervisor first (so it restarts nothing), then one process group at a
+time, newest first (gateway, compute, cache-manager, redis), so each drains
+its in-flight streams while what it calls still runs: SIGTERM, then SIGKILL
+after the grace period. The stack's internal token file goes with the state."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from kvpop.launcher import STATE_FILE, Proc, Stack, _died, default_state_dir
+import shutil
+
+from kvpop.launcher import STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack, _died, default_state_dir
 
 
 def _signal(proc: Proc, sig: int) -> None:
@@ -51,8 +54,17 @@ def stop_processes(procs: list[Proc], grace: float = 15.0) -> list[str]:
 
 
 def stop_stack(stack: Stack, grace: float = 15.0) -> list[str]:
-    killed = stop_processes(list(reversed(stack.processes)), grace)
-    (Path(stack.state_dir) / STATE_FILE).unlink(missing_ok=True)
+    # The supervisor rewrites stack.json when it restarts something: stop it, then read the final list.
+    sup = [p for p in stack.processes if p.name == SUPERVISOR]
+    killed = stop_processes(sup, grace)
+    disk = Stack.load(Path(stack.state_dir))
+    procs = disk.processes if disk is not None and sup else stack.processes
+    killed += stop_processes([p for p in reversed(procs) if p.name != SUPERVISOR], grace)
+    state = Path(stack.state_dir)
+    (state / STATE_FILE).unlink(missing_ok=True)
+    (state / TOKEN_FILE).unlink(missing_ok=True)
+    (state / "supervisor.json").unlink(missing_ok=True)
+    shutil.rmtree(state / "control", ignore_errors=True)
     return killed
 
 

@@ -23,8 +23,9 @@ prefix, base units, `_total` counters):
 | `kvpop_service_info{service,version}` | gauge (1) | every service |
 
 Each process has one registry (`get_metrics()`); `start_metrics_server` serves
-it at `/metrics` and a readiness probe at `/healthz` (200 when the `ready`
-callable says so, else 503) on one small HTTP server thread.
+it at `/metrics`, a readiness probe at `/healthz` (200 when the `ready`
+callable says so, else 503; the body lists every health name) and a liveness
+probe at `/livez` on one small HTTP server thread.
 """
 from __future__ import annotations
 
@@ -269,11 +270,15 @@ class MetricsServer:
 def start_metrics_server(port: int, host: str = "127.0.0.1",
                          ready: Callable[[], bool] | None = None,
                          metrics: Metrics | None = None,
-                         service: str | None = None, version: str = "") -> MetricsServer:
+                         service: str | None = None, version: str = "",
+                         live: Callable[[], bool] | None = None,
+                         details: Callable[[], Mapping[str, bool]] | None = None) -> MetricsServer:
     """Serve `metrics` (default: the process's) on host:port (0 = any free port).
 
     ready: readiness probe for `/healthz`; None means "ready while the process
-    runs" (liveness only). An exception inside it counts as not ready."""
+    runs" (liveness only). An exception inside it counts as not ready.
+    live: liveness probe for `/livez` (None: alive while this thread answers).
+    details: health name -> serving, listed in the body of `/healthz`."""
     m = metrics or get_metrics()
     if service:
         if not version:
@@ -290,14 +295,22 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
             if path == "/metrics":
                 encoder, content_type = choose_encoder(self.headers.get("Accept"))
                 self._send(200, encoder(m.registry), content_type)
-            elif path == "/healthz":
+            elif path in ("/healthz", "/livez"):
+                probe = ready if path == "/healthz" else live
                 try:
-                    ok = True if ready is None else bool(ready())
+                    ok = True if probe is None else bool(probe())
                 except Exception:  # noqa: BLE001 — a broken probe is "not ready", not a 500
                     ok = False
-                self._send(200 if ok else 503, b"ok\n" if ok else b"not ready\n", "text/plain")
+                body = "ok\n" if ok else ("not ready\n" if path == "/healthz" else "not live\n")
+                if path == "/healthz" and details is not None:
+                    try:
+                        names = sorted(details().items())
+                    except Exception:  # noqa: BLE001
+                        names = []
+                    body += "".join(f"{n or '(server)'}: {'SERVING' if v else 'NOT_SERVING'}\n" for n, v in names)
+                self._send(200 if ok else 503, body.encode(), "text/plain")
             else:
-                self._send(404, b"not found: try /metrics or /healthz\n", "text/plain")
+                self._send(404, b"not found: try /metrics, /healthz or /livez\n", "text/plain")
 
         def _send(self, code: int, body: bytes, content_type: str) -> None:
             self.send_response(code)

@@ -147,6 +147,7 @@ class Heartbeat:
         self.load = load
         self.beats = 0
         self.failures = 0
+        self.last_ok: bool | None = None     # whether the last beat reached Redis (None: none yet)
         self._task: asyncio.Task | None = None
 
     async def beat(self) -> None:
@@ -155,7 +156,12 @@ class Heartbeat:
             if asyncio.iscoroutine(value):
                 value = await value
             self.replica.load = int(value)
-        await self.registry.register(self.replica)
+        try:
+            await self.registry.register(self.replica)
+        except BaseException:
+            self.last_ok = False
+            raise
+        self.last_ok = True
         self.beats += 1
 
     async def _run(self) -> None:

@@ -8,6 +8,7 @@ Configuration (environment; all optional, all off by default):
 | `KVPOP_TLS_CA` | PEM file: require client certificates signed by it (mTLS) | trust root for the server's certificate; setting it turns TLS on |
 | `KVPOP_TLS_SERVER_NAME` | — | name expected in the server's certificate when it differs from the address |
 | `KVPOP_INTERNAL_TOKEN` | reject calls without `authorization: Bearer <token>` (UNAUTHENTICATED) | send it on every call |
+| `KVPOP_INTERNAL_TOKEN_FILE` | the token read from this file (whitespace stripped) instead: what `kvpop up` sets, so the secret is in no process's environment | the same |
 
 One internal CA signing a certificate per service, with all four variables set
 in every service, gives mutual TLS plus the token. The token alone (no TLS)
@@ -18,6 +19,7 @@ secret; with TLS they still need the CA (the probe reads the same variables).
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +29,7 @@ import grpc
 import grpc.aio
 
 ENV_TOKEN = "KVPOP_INTERNAL_TOKEN"
+ENV_TOKEN_FILE = "KVPOP_INTERNAL_TOKEN_FILE"
 ENV_CERT = "KVPOP_TLS_CERT"
 ENV_KEY = "KVPOP_TLS_KEY"
 ENV_CA = "KVPOP_TLS_CA"
@@ -63,7 +66,13 @@ class SecurityConfig:
         cert, key = pem(ENV_CERT), pem(ENV_KEY)
         if (cert is None) != (key is None):
             raise SecurityConfigError(f"set both {ENV_CERT} and {ENV_KEY}, or neither")
-        return cls(token=env.get(ENV_TOKEN) or None, cert=cert, key=key, ca=pem(ENV_CA),
+        token = env.get(ENV_TOKEN) or None
+        token_file = env.get(ENV_TOKEN_FILE) or None
+        if token and token_file:
+            raise SecurityConfigError(f"set {ENV_TOKEN} or {ENV_TOKEN_FILE}, not both")
+        if token_file:
+            token = read_token(token_file)
+        return cls(token=token, cert=cert, key=key, ca=pem(ENV_CA),
                    server_name=env.get(ENV_SERVER_NAME) or None)
 
     @property
@@ -76,6 +85,37 @@ class SecurityConfig:
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def read_token(path: str | Path) -> str:
+    """The token in `path` (surrounding whitespace stripped); SecurityConfigError
+    when the file is unreadable or empty. A file others may read is used with
+    a warning (container secrets are often mounted 0444)."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        token = path.read_text().strip()
+    except OSError as e:
+        raise SecurityConfigError(f"{ENV_TOKEN_FILE}={path}: cannot read ({e.strerror})") from e
+    if mode & 0o077:
+        logging.getLogger(__name__).warning("%s=%s is readable by group or others (mode %o): chmod 600 it",
+                                            ENV_TOKEN_FILE, path, mode & 0o777)
+    if not token:
+        raise SecurityConfigError(f"{ENV_TOKEN_FILE}={path}: empty")
+    return token
+
+
+def write_token(path: str | Path, token: str) -> Path:
+    """Write `token` to `path`, created with mode 0600 (never readable by others, not even briefly)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    tmp.replace(path)
+    return path
 
 
 # ---- server side ---------------------------------------------------------
@@ -238,12 +278,34 @@ def aio_channel(address: str, cfg: SecurityConfig | None = None,
                                    interceptors=chain or None)
 
 
+class _SyncToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                 grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, md):
+        self.md = md
+
+    def _details(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self.md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
 def sync_channel(address: str, cfg: SecurityConfig | None = None,
                  options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-    """A blocking channel (health probes, scripts). Plaintext channels carry
-    no token: health checks are exempt from it."""
+    """A blocking channel (health probes, scripts, tests) carrying the token
+    when `cfg` has one (health checks are exempt from it anyway)."""
     cfg = SecurityConfig.from_env() if cfg is None else cfg
     creds = channel_credentials(cfg)
     if creds is None:
-        return grpc.insecure_channel(address, options=_options(cfg, options))
+        channel = grpc.insecure_channel(address, options=_options(cfg, options))
+        return grpc.intercept_channel(channel, _SyncToken(cfg.call_metadata())) if cfg.token else channel
     return grpc.secure_channel(address, creds, options=_options(cfg, options))

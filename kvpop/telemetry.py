@@ -77,9 +77,10 @@ def server_interceptors() -> list:
 
 
 def client_interceptors() -> list:
-    from opentelemetry.instrumentation.grpc import aio_client_interceptors
+    from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
-    return list(aio_client_interceptors())
+    # Health checks (the gateway probes compute several times a second) make no spans.
+    return list(aio_client_interceptors(filter_=filters.negate(filters.service_prefix("grpc.health"))))
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:

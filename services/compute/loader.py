@@ -2,12 +2,15 @@
 config.json + model.safetensors, or shards listed in model.safetensors.index.json."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from safetensors.torch import save_file
 
 from services.compute.model import TransformerModel
@@ -46,6 +49,21 @@ def weight_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} found (only .safetensors weights are supported)")
 
 
+_INIT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_param_init():
+    """nn.Linear and nn.Embedding skip reset_parameters inside the block (their weights get loaded)."""
+    with _INIT_LOCK:
+        saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+        nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+        try:
+            yield
+        finally:
+            nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu") -> TransformerModel:
     model_dir = Path(model_dir)
@@ -54,8 +72,9 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
     config = ModelConfig.from_hf(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
     files = weight_files(model_dir)
-    # Build on the meta device: no time wasted on random init of weights we overwrite.
-    with torch.device("meta"):
+    # Build on the meta device with no init at all: random init of weights we overwrite
+    # wastes time, and even on meta it imports sympy/dynamo (seconds at every start).
+    with torch.device("meta"), _no_param_init():
         model = TransformerModel(config)
     expected = dict(model.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}

@@ -3,6 +3,15 @@
 Each Generate stream is one engine request; when the gateway cancels the call
 (client gone, deadline) the engine iterator is closed, which aborts the
 sequence and frees its pages at the next step.
+
+Compute holds every caller to its own limits (prompt characters, max_tokens,
+concurrent streams: KVPOP_MAX_PROMPT_CHARS, KVPOP_MAX_TOKENS_LIMIT,
+KVPOP_MAX_COMPUTE_STREAMS), whatever a gateway checked before.
+
+Health: "" and `kvpop.compute.v1.Compute` are SERVING once the model is
+loaded; `kvpop.compute.advisor` while the cache-manager stream is up (without
+it `learned` runs on compute's fallback: degraded, not down);
+`kvpop.compute.redis` while registry heartbeats reach Redis.
 """
 from __future__ import annotations
 
@@ -24,6 +33,9 @@ from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 log = logging.getLogger(__name__)
 
 MAX_ROUND_EVENTS = 128   # span events per request; the span's attributes carry the totals
+HEALTH_ADVISOR = "kvpop.compute.advisor"
+HEALTH_REDIS = "kvpop.compute.redis"
+WATCH_PERIOD_S = 0.1
 
 _FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
            "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}
@@ -49,6 +61,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.advisor = None
         self.model_info: generate_pb2.ModelInfo | None = None
         self.replica_id = cfg.replica_id or f"{cfg.host}:{cfg.port}"
+        self.open_streams = 0
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the model and start the engine (runs in a worker thread)."""
@@ -102,12 +115,40 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                                         advisor_connected=bool(self.advisor and self.advisor.connected))
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        refused = self._refusal(request)
+        if refused is not None:
+            await context.abort(*refused)
+        if self.open_streams >= self.cfg.max_streams:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"compute replica {self.replica_id} has {self.open_streams} streams open, its limit "
+                                f"(KVPOP_MAX_COMPUTE_STREAMS={self.cfg.max_streams})")
+        self.open_streams += 1
+        try:
+            async for resp in self._generate(request, context):
+                yield resp
+        finally:
+            self.open_streams -= 1
+
+    def _refusal(self, request) -> tuple[grpc.StatusCode, str] | None:
+        """Compute's own limits, whoever the caller (checked before anything runs)."""
+        cfg, s = self.cfg, request.sampling
+        if s.max_tokens > cfg.max_tokens_limit:
+            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"max_tokens {s.max_tokens} is over this replica's limit "
+                    f"(KVPOP_MAX_TOKENS_LIMIT={cfg.max_tokens_limit})")
+        if s.max_tokens < 1:
+            return grpc.StatusCode.INVALID_ARGUMENT, f"max_tokens must be >= 1, got {s.max_tokens}"
+        if len(request.prompt) > cfg.max_prompt_chars:
+            return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"prompt is {len(request.prompt)} characters, over this "
+                    f"replica's limit (KVPOP_MAX_PROMPT_CHARS={cfg.max_prompt_chars})")
+        return None
+
+    async def _generate(self, request, context: grpc.aio.ServicerContext):
         from services.compute.async_engine import EngineError
         from services.compute.engine import EvictionParams, SamplingParams
         from services.compute.session_cache import SessionNotParked
 
-        if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         eng = self.engine.engine
         sid = request.session_id or None
         history = list(request.history_token_ids) if sid else []
@@ -262,6 +303,18 @@ class ComputeApp:
         elif entries:
             log.info("%d prewarm entries found; this engine has no prefix cache to load them", len(entries))
         await self.reporter.start()
+
+    async def watch(self, service: GrpcService) -> None:
+        """Keep the capability health names true (the engine serves whatever they say)."""
+        while True:
+            try:
+                advisor = self.servicer.advisor
+                await service.set_status(HEALTH_ADVISOR, bool(advisor is not None and advisor.connected))
+                if self.reporter is not None and self.reporter.heartbeat is not None:
+                    await service.set_status(HEALTH_REDIS, self.reporter.heartbeat.last_ok is True)
+            except Exception:  # noqa: BLE001 - health reporting must never take the service down
+                log.exception("health watch failed")
+            await asyncio.sleep(WATCH_PERIOD_S)
 
     async def drain(self) -> None:
         if self.reporter is not None:

@@ -15,9 +15,17 @@ request.
 refuses: draining, still loading) before it streamed anything is excluded and
 the request goes to the next one, so no request fails that had not started
 streaming; a replica lost mid-stream surfaces as its gRPC error (UNAVAILABLE).
+
+`Router.probe()` (the gateway's health watch, several times a second) asks
+every candidate replica's grpc.health.v1 on the channel traffic uses; replicas
+that do not answer SERVING are tried last. Channels reconnect with a backoff
+capped at `MAX_RECONNECT_BACKOFF_MS`, so a replica that comes back is used
+within a fraction of a second of reporting SERVING (gRPC's default backoff
+grows to minutes).
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpop import security, telemetry
 from kvpop.pb import compute_pb2_grpc
@@ -36,6 +45,13 @@ log = logging.getLogger(__name__)
 
 # Before the first response these mean "this replica cannot take it": try another.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+MAX_RECONNECT_BACKOFF_MS = 250
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+]
 
 
 @dataclass(frozen=True)
@@ -58,13 +74,38 @@ class Router:
         self._fresh_until = 0.0     # monotonic time until which _last_known is reused
         self.refresh_s = registry.interval_s / 10 if registry is not None else 0.0
         self.outage_backoff_s = 1.0
+        self.down: set[str] = set()     # addresses whose last probe was not SERVING
 
     def stub(self, address: str) -> compute_pb2_grpc.ComputeStub:
         if address not in self._channels:
-            ch = security.aio_channel(address, options=[("grpc.max_receive_message_length", -1)],
+            ch = security.aio_channel(address, options=CHANNEL_OPTIONS,
                                       interceptors=telemetry.client_interceptors())
             self._channels[address] = (ch, compute_pb2_grpc.ComputeStub(ch))
         return self._channels[address][1]
+
+    async def candidates(self) -> dict[str, str]:
+        """address -> replica id of every replica a request could go to now."""
+        out: dict[str, str] = {}
+        if self.registry is not None:
+            out = {r.address: r.id for r in await self._replicas()}
+        return out or {self.static_address: self.STATIC}
+
+    async def probe(self, timeout: float = 1.0) -> dict[str, bool]:
+        """address -> SERVING, for every candidate replica (its health on the traffic channel)."""
+        targets = await self.candidates()
+
+        async def one(address: str) -> bool:
+            self.stub(address)
+            stub = health_pb2_grpc.HealthStub(self._channels[address][0])
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            except grpc.aio.AioRpcError:
+                return False
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+
+        serving = dict(zip(targets, await asyncio.gather(*(one(a) for a in targets))))
+        self.down = {a for a, ok in serving.items() if not ok}
+        return serving
 
     def _static(self) -> Target:
         return Target(self.STATIC, self.static_address, self.stub(self.static_address))
@@ -74,6 +115,8 @@ class Router:
         """Raises NoReplicaAvailable when every known replica is excluded."""
         if self.registry is not None:
             live = [r for r in await self._replicas() if r.id not in exclude]
+            # Replicas the health watch saw SERVING first; the others only when none is.
+            live = [r for r in live if r.address not in self.down] or live
             if live:
                 chosen = choose(live, session_replica, self.inflight)
                 return Target(chosen.id, chosen.address, self.stub(chosen.address))

@@ -6,6 +6,12 @@ the sequence. Sessions are written to Redis after the stream, off the
 response path: a Redis outage delays them (queued, retried), never a stream.
 A session's turn continues its resident KV or is re-prefilled from its stored
 history (sessions.py).
+
+Health: "" and `kvpop.v1.KVpop` are SERVING while at least one compute replica
+answers SERVING (probed every `PROBE_PERIOD_S` on the channels traffic uses),
+so a gateway with no compute behind it says so within a second, and says
+SERVING again within a second of one coming back. `kvpop.gateway.redis` is
+SERVING while Redis answers (sessions are stored at once rather than queued).
 """
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ log = logging.getLogger(__name__)
 # Statuses from compute that mean "compute is not there"; the rest pass through.
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
 MAX_OWNERS = 100_000     # sessions whose last replica this gateway remembers
+PROBE_PERIOD_S = 0.25    # compute health probes
+REDIS_PROBE_PERIOD_S = 1.0
+HEALTH_REDIS = "kvpop.gateway.redis"
 _FINISH_WORDS = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_EOS: "eos",
                  generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_ABORTED: "aborted"}
 
@@ -235,6 +244,34 @@ class GatewayApp:
                 delay = min(delay * 2, 1.0)
         if self.store is not None:
             self._flusher = asyncio.create_task(self._flush_loop())
+
+    async def watch(self, service: GrpcService) -> None:
+        """Readiness follows compute: SERVING while a replica answers SERVING."""
+        loops = [self._watch_compute(service)]
+        if self.servicer.redis is not None:
+            loops.append(self._watch_redis(service))
+        await asyncio.gather(*loops)
+
+    async def _watch_compute(self, service: GrpcService) -> None:
+        router = self.servicer.router
+        while True:
+            started = time.monotonic()
+            try:
+                serving = await router.probe(timeout=1.0)
+                await service.set_serving(any(serving.values()))
+            except Exception:  # noqa: BLE001 - the watch must outlive any one failure
+                log.exception("compute health probe failed")
+            await asyncio.sleep(max(0.0, PROBE_PERIOD_S - (time.monotonic() - started)))
+
+    async def _watch_redis(self, service: GrpcService) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                ok = bool(await asyncio.wait_for(self.servicer.redis.ping(), 1.5))
+            except Exception:  # noqa: BLE001 - any failure means "not reachable"
+                ok = False
+            await service.set_status(HEALTH_REDIS, ok)
+            await asyncio.sleep(max(0.0, REDIS_PROBE_PERIOD_S - (time.monotonic() - started)))
 
     async def _flush_loop(self) -> None:
         while True:
