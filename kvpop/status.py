@@ -86,8 +86,10 @@ def collect(stack: Stack, env: dict[str, str] | None = None) -> dict:
         elif p.name == "redis":
             row["health"] = {"": _redis_ping(p.address)} if alive else {}
             row["ok"] = alive and row["health"][""] == "PONG"
+        elif alive and p.name not in CAPABILITIES:
+            row["ok"] = True        # not one of ours: alive is all we can say
         elif alive:
-            names = ["", *CAPABILITIES.get(p.name, [])]
+            names = ["", *CAPABILITIES[p.name]]
             if p.name == "gateway":
                 row["health"] = health(p.address, names, SecurityConfig())
             elif internal is None:

@@ -85,21 +85,13 @@ class Track:
     requested: bool = False         # a `kvpop restart`: no backoff, not counted as a failure
 
 
-def _exit_status(pid: int) -> str:
-    """How the exited process `pid` ended: reaps it when it is our child, else "exited" (unknowable)."""
-    try:
-        got, status = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return "exited"
-    if got == 0:
-        return "exited"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
+def _describe(returncode: int) -> str:
+    if returncode < 0:
         try:
-            return f"signal {signal.Signals(sig).name}"
+            return f"signal {signal.Signals(-returncode).name}"
         except ValueError:
-            return f"signal {sig}"
-    return f"exit code {os.WEXITSTATUS(status)}"
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
 
 
 class Supervisor:
@@ -120,6 +112,9 @@ class Supervisor:
         self.tracks = {p.name: Track(p.name, p.pid, started_mono=now - STABLE_S)
                        for p in self.stack.processes if p.name != SUPERVISOR}
         self._last_status = 0.0
+        # Processes this supervisor started (it reaps them, so it knows how they ended); those
+        # `kvpop up` started are not its children: how they ended cannot be known ("exited").
+        self._children: dict[int, subprocess.Popen] = {}
         self.write_status()
         log.info("supervising %s from %s", ", ".join(self.tracks), self.state_dir)
 
@@ -154,7 +149,7 @@ class Supervisor:
                         log.info("%s has run %.0f s: out of its crash loop", name, STABLE_S)
                         changed = True
                     continue
-                self._exited(t, proc, _exit_status(proc.pid), now)
+                self._exited(t, proc, self._exit_status(proc.pid), now)
                 changed = True
             if t.state == "restarting":
                 t.next_start_in = max(0.0, t.due - now)
@@ -162,6 +157,16 @@ class Supervisor:
                     self._start(t, proc, now)
                     changed = True
         return changed
+
+    def _exit_status(self, pid: int) -> str:
+        child = self._children.pop(pid, None)
+        if child is None:
+            return "exited"
+        try:
+            rc = child.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return "exited"
+        return _describe(rc)
 
     def _exited(self, t: Track, proc: Proc, status: str, now: float) -> None:
         up = now - t.started_mono
@@ -199,6 +204,7 @@ class Supervisor:
             t.due = now + restart_delay(t.quick_exits)
             log.error("%s could not be started: %s", t.name, e)
             return
+        self._children[p.pid] = p
         new = Proc(t.name, p.pid, old.address, old.log, old.cmd, proc_start_time(p.pid))
         self.stack.processes[self.stack.processes.index(old)] = new
         self.stack.save()

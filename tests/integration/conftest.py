@@ -1,6 +1,8 @@
 """One real stack per test session: redis + cache-manager + compute + gateway
-as subprocesses on free ports, started by the same code as `kvpop up`, on the
-embedded (placeholder) model, exporting traces to an in-test OTLP receiver."""
+as subprocesses on free ports, started by the same code as `kvpop up` (its
+internal token included), on the embedded (placeholder) model, exporting
+traces to an in-test OTLP receiver. Unsupervised: these tests stop and
+restart services by hand (tests/reliability runs the supervised `kvpop up`)."""
 from __future__ import annotations
 
 import grpc
@@ -9,6 +11,7 @@ import pytest
 from kvpop.launcher import Stack, free_port, start_stack
 from kvpop.launcher_down import stop_stack
 from kvpop.pb import compute_pb2_grpc, generate_pb2_grpc
+from kvpop.security import sync_channel
 from otlp_receiver import start_receiver
 from stack_helpers import BLOCK_SIZE, stack_env
 
@@ -35,7 +38,7 @@ def stack(tmp_path_factory, otlp, placeholder_model) -> Stack:
     env = stack_env(otlp.port)
     st = start_stack(tmp_path_factory.mktemp("kvpop-stack"), model=str(placeholder_model), env=env, timeout=120,
                      service_args={"compute": ["--block-size", str(BLOCK_SIZE), "--device", "cpu",
-                                               "--num-pages", "8192"]})
+                                               "--num-pages", "8192"]}, supervise=False)
     yield st
     stop_stack(st, grace=10)
 
@@ -48,5 +51,6 @@ def gateway(stack):
 
 @pytest.fixture(scope="session")
 def compute(stack):
-    with grpc.insecure_channel(stack.proc("compute").address) as ch:
+    # The stack's internal token: compute refuses calls without it.
+    with sync_channel(stack.proc("compute").address, stack.security()) as ch:
         yield compute_pb2_grpc.ComputeStub(ch)

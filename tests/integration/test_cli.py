@@ -1,5 +1,6 @@
-"""`kvpop up`, `kvpop generate`, `kvpop down` end to end, as a user runs them,
-serving a checkpoint given by --model (a tiny random Qwen2 in HF layout)."""
+"""`kvpop up`, `kvpop generate`, `kvpop status`, `kvpop restart`, `kvpop down`
+end to end, as a user runs them, serving a checkpoint given by --model (a tiny
+random Qwen2 in HF layout)."""
 from __future__ import annotations
 
 import json
@@ -35,8 +36,16 @@ def test_up_generate_down(tmp_path):
     try:
         stack = json.loads((state / "stack.json").read_text())
         assert up.stdout.strip() == stack["gateway"]
-        assert {p["name"] for p in stack["processes"]} == {"redis", "cache-manager", "compute", "gateway"}
+        assert {p["name"] for p in stack["processes"]} == {"redis", "cache-manager", "compute", "gateway",
+                                                            "supervisor"}
         assert "gateway        SERVING" in up.stderr
+        # Closed by default: a fresh internal token only this user can read.
+        token = state / "internal_token"
+        assert stack["token_file"] == str(token) and (token.stat().st_mode & 0o777) == 0o600
+        assert f"internal token (compute, cache-manager) in {token}" in up.stderr
+        status = kvpop("status", state_dir=state, timeout=60)
+        assert status.returncode == 0 and "all up and SERVING" in status.stdout, status.stdout + status.stderr
+        assert "advisor SERVING" in status.stdout, status.stdout
         with grpc.insecure_channel(stack["gateway"]) as ch:
             info = generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
         assert info.architecture == "qwen2" and info.max_model_len == 1024 and not info.placeholder
@@ -61,6 +70,17 @@ def test_up_generate_down(tmp_path):
                       "--top-k", "50", state_dir=state, timeout=60) for _ in range(2)]
         assert same[0].returncode == 0 and same[0].stdout.strip() and same[0].stdout == same[1].stdout
 
+        # One service restarted on request: a new pid, SERVING, the stack still answers.
+        old_pid = next(p["pid"] for p in stack["processes"] if p["name"] == "cache-manager")
+        restart = kvpop("restart", "cache-manager", state_dir=state, timeout=120)
+        assert restart.returncode == 0 and f"pid {old_pid} ->" in restart.stderr, restart.stderr
+        now = json.loads((state / "stack.json").read_text())
+        assert next(p["pid"] for p in now["processes"] if p["name"] == "cache-manager") != old_pid
+        status = json.loads(kvpop("status", "--json", state_dir=state, timeout=60).stdout)
+        cm = next(p for p in status["processes"] if p["name"] == "cache-manager")
+        assert cm["restarts"] == 1 and not cm["crash_loop"] and cm["health"][""] == "SERVING", cm
+        assert kvpop("restart", "nope", state_dir=state, timeout=30).returncode == 2
+
         bad = kvpop("generate", "x", "--policy", "nope", state_dir=state, timeout=60)
         assert bad.returncode == 1
         assert "INVALID_ARGUMENT: unknown policy 'nope'" in bad.stderr and "Traceback" not in bad.stderr
@@ -77,7 +97,8 @@ def test_up_generate_down(tmp_path):
     assert streaming is not None
     _, err = streaming.communicate(timeout=30)
     assert streaming.returncode == 0 and b"completion 200 tok" in err, err.decode(errors="replace")
-    assert not (state / "stack.json").exists()
-    assert not any(Proc(**p).alive() for p in stack["processes"]), "a process survived `kvpop down`"
+    assert not (state / "stack.json").exists() and not (state / "internal_token").exists()
+    assert not any(Proc(**p).alive() for p in stack["processes"] + now["processes"]), \
+        "a process survived `kvpop down`"
     nostack = kvpop("generate", "x", state_dir=state, timeout=60)
     assert nostack.returncode != 0 and "kvpop up" in nostack.stderr and "Traceback" not in nostack.stderr

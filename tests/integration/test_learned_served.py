@@ -19,6 +19,7 @@ from kvpop.launcher import restart_service, start_stack
 from kvpop.launcher_down import stop_stack
 from kvpop.paths import DEFAULT_MODEL_DIR
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.security import sync_channel
 from kvpop.tasks import suite
 from stack_helpers import wait_until
 
@@ -30,7 +31,7 @@ ENV = {"KVPOP_GRACE_S": "2"}
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     st = start_stack(tmp_path_factory.mktemp("learned-stack"), model=str(DEFAULT_MODEL_DIR), env=ENV, timeout=120,
-                     service_args={"compute": ["--device", "cpu"]})
+                     service_args={"compute": ["--device", "cpu"]}, supervise=False)   # kills by hand
     yield st
     stop_stack(st, grace=10)
 
@@ -42,7 +43,7 @@ def gateway(served):
 
 
 def compute_info(st) -> compute_pb2.InfoResponse:
-    with grpc.insecure_channel(st.proc("compute").address) as ch:
+    with sync_channel(st.proc("compute").address, st.security()) as ch:
         return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
 
 

@@ -6,8 +6,10 @@ import json
 import os
 import secrets
 import signal
+from pathlib import Path
 
 import grpc
+import pytest
 
 from helpers_common import collect
 from stack_helpers import BLOCK_SIZE, compute_info, stack_env, wait_until
@@ -146,22 +148,61 @@ def test_metrics_endpoints(stack, gateway):
     assert moved("cache-manager", "kvpop_scoring_latency_seconds_count") >= 1
 
 
-def test_every_service_has_health_and_reflection(stack):
+def test_health_names_reflection_and_token(stack):
+    """Every service: readiness "" and its service name SERVING, liveness `kvpop.live`,
+    its capability names; reflection only on the public gateway; the internal
+    services refuse calls without the stack's token (`kvpop up` made one)."""
+    import os
+    import stat
+
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    want = {"gateway": "kvpop.v1.KVpop", "compute": "kvpop.compute.v1.Compute",
-            "cache-manager": "kvpop.cache.v1.CacheManager"}
-    for name, service in want.items():
+    from kvpop.pb import compute_pb2, compute_pb2_grpc
+    from kvpop.security import SecurityConfig, sync_channel
+
+    want = {"gateway": ("kvpop.v1.KVpop", ["kvpop.gateway.redis"]),
+            "compute": ("kvpop.compute.v1.Compute", ["kvpop.compute.advisor", "kvpop.compute.redis"]),
+            "cache-manager": ("kvpop.cache.v1.CacheManager", [])}
+    wait_until(lambda: compute_info_of(stack).advisor_connected, 20, "compute to reach the cache-manager")
+    for name, (service, capabilities) in want.items():
         with grpc.insecure_channel(stack.proc(name).address) as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-            assert status.status == health_pb2.HealthCheckResponse.SERVING, name
+            health = health_pb2_grpc.HealthStub(ch)
+            for svc in ("", service, "kvpop.live", *capabilities):
+                wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5).status
+                           == health_pb2.HealthCheckResponse.SERVING, 10, f"{name} {svc!r} SERVING")
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
             replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
                                                 timeout=5)
-            listed = {s.name for r in replies for s in r.list_services_response.service}
-            assert {service, "grpc.health.v1.Health"} <= listed, (name, listed)
+            if name == "gateway":
+                listed = {s.name for r in replies for s in r.list_services_response.service}
+                assert {service, "grpc.health.v1.Health"} <= listed, (name, listed)
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(replies)
+                assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, (name, e.value)
         assert stack.proc(name).address.startswith("127.0.0.1:"), "services bind loopback by default"
+    token = Path(stack.token_file)
+    assert token.parent == Path(stack.state_dir) and stat.S_IMODE(os.stat(token).st_mode) == 0o600
+    with sync_channel(stack.proc("compute").address, SecurityConfig()) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # /healthz lists every name; /livez is the liveness probe.
+    import urllib.request
+
+    base = stack.metrics["compute"].removesuffix("/metrics")
+    body = urllib.request.urlopen(base + "/healthz", timeout=5).read().decode()
+    assert "kvpop.compute.advisor: SERVING" in body and "(server): SERVING" in body, body
+    assert urllib.request.urlopen(base + "/livez", timeout=5).status == 200
+
+
+def compute_info_of(stack):
+    from kvpop.pb import compute_pb2, compute_pb2_grpc
+    from kvpop.security import sync_channel
+
+    with sync_channel(stack.proc("compute").address, stack.security()) as ch:
+        return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
 
 
 def test_cache_manager_skips_malformed_features_and_keeps_planning(stack):
@@ -185,7 +226,9 @@ def test_cache_manager_skips_malformed_features_and_keeps_planning(stack):
             block(1, np.full((2, 2), 0.9)), block(2, np.full((2, 2), 0.1)), block(3, np.full((2, 2), 0.5))])),
         cpb.AdvisorMessage(finished=cpb.SequenceFinished(request_id="ok")),
     ]
-    with grpc.insecure_channel(stack.proc("cache-manager").address) as ch:
+    from kvpop.security import sync_channel
+
+    with sync_channel(stack.proc("cache-manager").address, stack.security()) as ch:
         replies = list(cpb_grpc.CacheManagerStub(ch).Advise(iter(msgs), timeout=10))
     assert [r.plan.request_id for r in replies] == ["ok"]
     evict = from_int_array(replies[0].plan.evict)

@@ -111,6 +111,26 @@ def test_services_and_structure(compose):
         assert _env(svcs[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
 
 
+def test_services_come_back_and_start_in_health_order(compose, ours):
+    """Every service restarts unless stopped; a dependency that a service
+    cannot serve without gates its start on health."""
+    replica = yaml.safe_load((COMPOSE_DIR / "replica.yml").read_text())
+    for doc in (compose, replica):
+        for name, svc in doc["services"].items():
+            assert svc.get("restart") == "unless-stopped", name
+    deps = {n: svc.get("depends_on", {}) for n, svc in compose["services"].items()}
+    assert deps["gateway"]["compute"]["condition"] == "service_healthy"
+    assert deps["gateway"]["redis"]["condition"] == "service_healthy"
+    assert deps["compute"]["redis"]["condition"] == "service_healthy"
+    # Compute serves (degraded, said by kvpop.compute.advisor) without the cache-manager.
+    assert deps["compute"]["cache-manager"]["condition"] == "service_started"
+    # Compute holds every caller to the gateway's limits; a published replica requires the token.
+    gw, comp = _env(compose["services"]["gateway"]), _env(compose["services"]["compute"])
+    for var in ("KVPOP_MAX_PROMPT_CHARS", "KVPOP_MAX_TOKENS_LIMIT"):
+        assert gw[var] == comp[var] == _env(replica["services"]["compute"])[var], var
+    assert re.fullmatch(r"\$\{KVPOP_INTERNAL_TOKEN:\?[^}]+\}", _env(replica["services"]["compute"])["KVPOP_INTERNAL_TOKEN"])
+
+
 def test_health_checks_timing_and_targets(compose, ours):
     assert {n for _, n, _ in ours} == set(OURS)
     for file, name, svc in [("docker-compose.yml", "redis", compose["services"]["redis"]), *ours]:
