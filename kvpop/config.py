@@ -115,6 +115,9 @@ class ComputeConfig(ServerConfig):
     heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "registry entry lifetime; 3 heartbeats per interval")
     prewarm_top_k: int = setting("KVPOP_PREWARM_TOP_K", 8,
                                  "most-counted prompt prefixes prefilled before SERVING (0 = none)")
+    prewarm_max_s: float = setting("KVPOP_PREWARM_MAX_S", 1.0,
+                                   "most seconds of prewarm prefills before SERVING, most counted first; the rest "
+                                   "are skipped (a restarted replica serves again within seconds)")
     session_kv_ttl_s: float = setting("KVPOP_SESSION_KV_TTL_S", 600.0,
                                       "seconds an idle session keeps its parked KV on this replica")
     pipeline_decode_plans: bool = setting("KVPOP_PIPELINE_DECODE_PLANS", False,
@@ -137,8 +140,8 @@ class ComputeConfig(ServerConfig):
         if self.max_prompt_chars < 1 or self.max_tokens_limit < 1 or self.max_streams < 1:
             raise ConfigError("KVPOP_MAX_PROMPT_CHARS, KVPOP_MAX_TOKENS_LIMIT and KVPOP_MAX_COMPUTE_STREAMS "
                               "must be >= 1")
-        if self.heartbeat_s <= 0 or self.prewarm_top_k < 0:
-            raise ConfigError("KVPOP_HEARTBEAT_S must be > 0 and KVPOP_PREWARM_TOP_K >= 0")
+        if self.heartbeat_s <= 0 or self.prewarm_top_k < 0 or self.prewarm_max_s < 0:
+            raise ConfigError("KVPOP_HEARTBEAT_S must be > 0, KVPOP_PREWARM_TOP_K and KVPOP_PREWARM_MAX_S >= 0")
         if self.session_kv_ttl_s <= 0:
             raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
         if self.plan_wait_ms < 0:

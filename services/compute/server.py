@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import grpc
@@ -298,8 +299,17 @@ class ComputeApp:
         entries = await self.reporter.prewarm_entries(cfg.prewarm_top_k)
         prewarm = getattr(s.engine, "prewarm", None)   # AsyncEngine: between steps
         if entries and prewarm is not None:
-            n = await asyncio.to_thread(prewarm, [e.text for e in entries])
-            log.info("prewarmed %s of %d prefixes", n, len(entries))
+            # Most counted first, one at a time, within a time budget: a restarted replica must not
+            # stay out of service for long to warm its cache (on a GPU all of them fit in it).
+            t0, n, done = time.monotonic(), 0, 0
+            for e in entries:
+                if done and time.monotonic() - t0 >= cfg.prewarm_max_s:
+                    break
+                n += await asyncio.to_thread(prewarm, [e.text])
+                done += 1
+            log.info("prewarmed %d of %d prefixes in %.2f s%s", n, len(entries), time.monotonic() - t0,
+                     "" if done == len(entries) else f" (KVPOP_PREWARM_MAX_S={cfg.prewarm_max_s:g}: "
+                     f"{len(entries) - done} skipped)")
         elif entries:
             log.info("%d prewarm entries found; this engine has no prefix cache to load them", len(entries))
         await self.reporter.start()
