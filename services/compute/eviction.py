@@ -145,7 +145,7 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     lost = ~held[..., :span]
     k = int(lost.sum(-1).max()) if lost.numel() else 0
     names = torch.arange(first, upto, device=dev).expand(L, H, span)
-    order = lost.to(torch.int8).argsort(-1, descending=True, stable=True)[..., :k]
+    order = lost.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]
     gone = torch.where(lost.gather(2, order), names.gather(2, order), torch.full_like(order, -1))
     seq.gone = [gone.to(torch.int32).cpu()] if k else []
     km, vn, att = km.cpu(), vn.cpu(), att.cpu()

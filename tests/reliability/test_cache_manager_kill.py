@@ -1,5 +1,6 @@
 """The cache-manager SIGKILLed while learned-policy streams run: every stream
-finishes, on compute's local fallback policy, within its budget."""
+finishes, on compute's local fallback policy while it is gone, within its
+budget; the supervisor of `kvpop up` brings it back and compute reconnects."""
 from __future__ import annotations
 
 import os
@@ -74,7 +75,9 @@ def test_cache_manager_killed_mid_run(secure_stack, gateway):
           f"compute fallback counter {fallback_before} -> {info.stats.fallback_evictions}")
     assert all(results[i][1].usage.fallback_evictions > 0 for i in range(STREAMS)), \
         [results[i][1].usage.fallback_evictions for i in range(STREAMS)]
-    assert info.stats.fallback_evictions > fallback_before and not info.advisor_connected
+    assert info.stats.fallback_evictions > fallback_before
 
-    restart_service(st, "cache-manager", env=secure_stack.env)
+    # The supervisor restarted it (a new pid, SERVING); compute is back on its plans.
+    killed = st.proc("cache-manager").pid
+    assert restart_service(st, "cache-manager", env=secure_stack.env).pid != killed
     wait_until(lambda: secure_stack.compute_info().advisor_connected, 30, "compute to reconnect")
