@@ -35,6 +35,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .reliability_stack import BLOCK_SIZE, MAX_MODEL_LEN, clean_env, request, wait_until
@@ -43,6 +44,7 @@ from kvpop.launcher_down import stop_stack
 from kvpop.paths import REPO_ROOT
 from kvpop.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc, generate_pb2_grpc
 from kvpop.security import SecurityConfig, sync_channel
+from kvpop.store import turns_key
 
 pytestmark = pytest.mark.slow
 
@@ -205,11 +207,10 @@ def test_compute_holds_direct_callers_to_its_limits(up):
 
 # ---- kill each service ------------------------------------------------------
 
-def _stream(stub, rnd: int, i: int, progress: list[int], out: dict) -> None:
+def _stream(stub, rnd: int, i: int, progress: list[int], out: dict, sid: str) -> None:
     policy = ("learned", "h2o")[i % 2]
     req = request(prompt=f"round {rnd} stream {i}: " + "remember this " * (i + 2), max_tokens=TOKENS,
-                  ignore_eos=True, policy=policy, budget_tokens=64,
-                  session_id=f"kill-{rnd}-{i}-{time.monotonic_ns()}" if i % 2 == 0 else "")
+                  ignore_eos=True, policy=policy, budget_tokens=64, session_id=sid)
     n = 0
     try:
         final = None
@@ -243,8 +244,10 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
     gateway = up.stack.gateway
     channels = [grpc.insecure_channel(gateway) for _ in range(STREAMS)]
     progress, out = [0] * STREAMS, {}
-    threads = [threading.Thread(target=_stream, args=(generate_pb2_grpc.KVpopStub(channels[i]), rnd, i, progress, out))
-               for i in range(STREAMS)]
+    # Half the streams are session turns: they are written to Redis after the stream.
+    sids = [f"kill-{service}-{rnd}-{i}-{time.monotonic_ns()}" if i % 2 == 0 else "" for i in range(STREAMS)]
+    threads = [threading.Thread(target=_stream, args=(generate_pb2_grpc.KVpopStub(channels[i]), rnd, i, progress,
+                                                      out, sids[i])) for i in range(STREAMS)]
     for t in threads:
         t.start()
     wait_until(lambda: min(progress) >= 8 or out, 120, "the streams to get going")
@@ -280,6 +283,14 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
         ch.close()
     assert not any(t.is_alive() for t in threads), "a stream hung"
     outcomes = [out[i][0] for i in range(STREAMS)]
+    # Every finished session turn is in Redis, a Redis SIGKILL included (turns queue while it is down).
+    r = redis.Redis.from_url(up.stack.redis_url, socket_timeout=5)
+    done = [sid for sid, o in zip(sids, outcomes) if sid and o == "OK"]
+    t0 = time.monotonic()
+    while not all(r.llen(turns_key(sid)) == 1 for sid in done) and time.monotonic() - t0 < 15:
+        time.sleep(0.05)
+    turns_stored = sum(r.llen(turns_key(sid)) == 1 for sid in done)
+    r.close()
     # After recovery: compute idle, the pool back to its baseline, then every new request succeeds.
     wait_until(lambda: (s := up.compute_info().stats).running == 0 and s.waiting == 0, 60, "compute to be idle")
     deadline = time.monotonic() + 10
@@ -298,6 +309,7 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
            "gateway_serving_after_compute_s": None if gw_up is None else round(max(0.0, gw_up - back), 3),
            "tokens_at_kill": [min(at_kill), max(at_kill)], "streams": outcomes,
            "new_requests_ok": sum(v == "OK" for v in results.values()), "pages_leaked": idle - baseline,
+           "session_turns_stored": [turns_stored, len(done)],
            "pool_baseline": baseline}
     RESULTS.append(row)
     print(f"\n{service} kill {rnd + 1}/{ROUNDS}: " + json.dumps({k: v for k, v in row.items() if k != "service"}))
@@ -322,6 +334,7 @@ def test_kill_service(up, service):
         assert row["first_request_ok_s"] is not None, row
         assert row["new_requests_ok"] == STREAMS, row
         assert row["pages_leaked"] == 0, row
+        assert row["session_turns_stored"][0] == row["session_turns_stored"][1], row
     # The supervisor saw every kill, and no crash loop.
     status = json.loads((Path(up.stack.state_dir) / "supervisor.json").read_text())["services"][service]
     assert status["restarts"] >= ROUNDS and not status["crash_loop"], status
@@ -332,7 +345,8 @@ def _report() -> None:
         return
     lines = ["", f"kill/restart under {STREAMS} streams, {ROUNDS} round(s) per service (seconds after SIGKILL)",
              "| service | kills | back SERVING (median / max) | first request OK (median / max) | "
-             "streams finished / failed | new requests OK | pages leaked |", "|---|---|---|---|---|---|---|"]
+             "streams finished / failed | session turns stored | new requests OK | pages leaked |",
+             "|---|---|---|---|---|---|---|---|"]
     for service in SERVICES:
         rows = [r for r in RESULTS if r["service"] == service]
         if not rows:
@@ -342,6 +356,8 @@ def _report() -> None:
         fin = sum(s == "OK" for r in rows for s in r["streams"])
         lines.append(f"| {service} | {len(rows)} | {statistics.median(back):.2f} / {max(back):.2f} | "
                      f"{statistics.median(ok):.2f} / {max(ok):.2f} | {fin} / {len(rows) * STREAMS - fin} | "
+                     f"{sum(r['session_turns_stored'][0] for r in rows)} / "
+                     f"{sum(r['session_turns_stored'][1] for r in rows)} | "
                      f"{sum(r['new_requests_ok'] for r in rows)} / {len(rows) * STREAMS} | "
                      f"{sum(r['pages_leaked'] for r in rows)} |" if ok else f"| {service} | {len(rows)} | ... |")
     comp = [r for r in RESULTS if r["service"] == "compute"]
