@@ -115,7 +115,7 @@ class ComputeConfig(ServerConfig):
     heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "registry entry lifetime; 3 heartbeats per interval")
     prewarm_top_k: int = setting("KVPOP_PREWARM_TOP_K", 8,
                                  "most-counted prompt prefixes prefilled before SERVING (0 = none)")
-    prewarm_max_s: float = setting("KVPOP_PREWARM_MAX_S", 1.0,
+    prewarm_max_s: float = setting("KVPOP_PREWARM_MAX_S", 0.5,
                                    "most seconds of prewarm prefills before SERVING, most counted first; the rest "
                                    "are skipped (a restarted replica serves again within seconds)")
     session_kv_ttl_s: float = setting("KVPOP_SESSION_KV_TTL_S", 600.0,

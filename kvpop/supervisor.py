@@ -6,17 +6,20 @@ Every `POLL_S` it looks at each process of `<state dir>/stack.json` (by pid
 and kernel start time, so a reused pid is not mistaken for ours). When one
 has exited, for whatever reason (crash, SIGKILL, OOM killer, exit 0), it is
 started again with its original command, address and environment, and
-stack.json is rewritten with the new pid. Restart delays:
+stack.json is rewritten with the new pid. A run is **good** when the
+process became ready (grpc.health.v1 SERVING; redis: PONG), which the
+supervisor checks every `READY_POLL_S` after a start, or lasted `STABLE_S`.
+Restart delays:
 
-- the first exit after a run of at least `STABLE_S`: at once;
-- each further exit within `STABLE_S` of its start: 0.5 s, 1 s, 2 s, ...
-  up to `MAX_DELAY_S`;
-- from `CRASH_LOOP_AFTER` such quick exits in a row the service is in a
+- after a good run: at once (however soon it was killed after that);
+- after each run in a row that was not good (a failed start): 0.5 s, 1 s,
+  2 s, ... up to `MAX_DELAY_S`;
+- from `CRASH_LOOP_AFTER` such failed runs in a row the service is in a
   **crash loop**: it is still retried every `MAX_DELAY_S` at most, and the
   loop is reported, never hidden: a line in `logs/supervisor.log` with the
   last lines of the service's own log, `crash_loop: true` in
-  `supervisor.json` (until a run lasts `STABLE_S`), and `kvpop status`
-  exits 1 saying so.
+  `supervisor.json` (until a run is good), and `kvpop status` exits 1
+  saying so.
 
 Each restart also writes one line into the service's own log
 (`---- kvpop supervisor: ... ----`), so its log reads as one story.
@@ -39,6 +42,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,7 +58,8 @@ log = logging.getLogger("kvpop.supervisor")
 STATUS_FILE = "supervisor.json"
 CONTROL_DIR = "control"
 POLL_S = 0.05
-STABLE_S = 10.0
+STABLE_S = 30.0
+READY_POLL_S = 0.25
 BASE_DELAY_S = 0.5
 MAX_DELAY_S = 30.0
 CRASH_LOOP_AFTER = 3
@@ -62,8 +67,8 @@ STOP_GRACE_S = 15.0
 
 
 def restart_delay(quick_exits: int) -> float:
-    """Seconds before the next start, after `quick_exits` exits in a row within STABLE_S of their start
-    (0 = the last run was stable)."""
+    """Seconds before the next start, after `quick_exits` runs in a row that were not good
+    (0 = the last run was good)."""
     if quick_exits <= 0:
         return 0.0
     return min(MAX_DELAY_S, BASE_DELAY_S * 2 ** (quick_exits - 1))
@@ -74,9 +79,10 @@ class Track:
     name: str
     pid: int
     state: str = "running"          # running | restarting (waiting for its delay) | stopping (requested)
-    crash_loop: bool = False        # CRASH_LOOP_AFTER quick exits in a row; cleared by a run of STABLE_S
+    crash_loop: bool = False        # CRASH_LOOP_AFTER failed runs in a row; cleared by a good run
+    ready: bool = True              # this run became ready (SERVING / PONG)
     restarts: int = 0
-    quick_exits: int = 0            # exits in a row within STABLE_S of start
+    quick_exits: int = 0            # runs in a row that ended before they were good
     last_exit: str = ""
     last_exit_at: float = 0.0       # wall clock
     next_start_in: float = 0.0      # seconds, while restarting
@@ -94,6 +100,37 @@ def _describe(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def _ready(proc: Proc) -> bool:
+    """Whether `proc` answers as ready: SERVING on grpc.health.v1 (redis: PONG). Services that
+    are not ours (no address) count as ready once alive."""
+    if not proc.address:
+        return True
+    host, port = proc.address.rsplit(":", 1)
+    if proc.name == "redis":
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvpop.security import SecurityConfig, SecurityConfigError, sync_channel
+
+    try:
+        # The public gateway port is plaintext; internal ones follow this process's KVPOP_TLS_* (as started).
+        cfg = SecurityConfig() if proc.name == "gateway" else SecurityConfig.from_env()
+    except SecurityConfigError:
+        return False
+    with sync_channel(proc.address, cfg) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
 class Supervisor:
     def __init__(self, state_dir: Path, poll_s: float = POLL_S):
         self.state_dir = Path(state_dir).resolve()
@@ -109,8 +146,10 @@ class Supervisor:
         self.stack.processes = [p for p in self.stack.processes if p.name != SUPERVISOR] + [me]
         self.stack.save()
         now = time.monotonic()
+        # `kvpop up` hands over services it saw SERVING.
         self.tracks = {p.name: Track(p.name, p.pid, started_mono=now - STABLE_S)
                        for p in self.stack.processes if p.name != SUPERVISOR}
+        self._next_probe = 0.0
         self._last_status = 0.0
         # Processes this supervisor started (it reaps them, so it knows how they ended); those
         # `kvpop up` started are not its children: how they ended cannot be known ("exited").
@@ -140,13 +179,19 @@ class Supervisor:
 
     def step(self, now: float) -> bool:
         changed = self._take_requests(now)
+        probe = now >= self._next_probe
+        if probe:
+            self._next_probe = now + READY_POLL_S
         for name, t in self.tracks.items():
             proc = self.stack.proc(name)
             if t.state in ("running", "stopping"):
                 if proc.alive():
-                    if t.crash_loop and now - t.started_mono >= STABLE_S:
+                    if not t.ready and (now - t.started_mono >= STABLE_S or (probe and _ready(proc))):
+                        t.ready = True
+                        log.info("%s (pid %d) ready %.1f s after its start", name, proc.pid, now - t.started_mono)
+                        if t.crash_loop:
+                            log.info("%s is out of its crash loop", name)
                         t.crash_loop, t.quick_exits = False, 0
-                        log.info("%s has run %.0f s: out of its crash loop", name, STABLE_S)
                         changed = True
                     continue
                 self._exited(t, proc, self._exit_status(proc.pid), now)
@@ -175,13 +220,13 @@ class Supervisor:
             t.requested, t.due = False, now
             log.info("%s (pid %d) stopped for a requested restart (%s)", t.name, proc.pid, status)
             return
-        t.quick_exits = t.quick_exits + 1 if up < STABLE_S else 0
+        t.quick_exits = 0 if t.ready or up >= STABLE_S else t.quick_exits + 1
         delay = restart_delay(t.quick_exits)
         t.due = now + delay
         if t.quick_exits >= CRASH_LOOP_AFTER:
             t.crash_loop = True
-            log.error("%s is crash-looping: %d exits in a row, each within %.0f s of its start (last: %s); "
-                      "next try in %.1f s. Last lines of %s:\n%s", t.name, t.quick_exits, STABLE_S, status,
+            log.error("%s is crash-looping: %d runs in a row ended before it was ready (last: %s); "
+                      "next try in %.1f s. Last lines of %s:\n%s", t.name, t.quick_exits, status,
                       delay, proc.log, log_tail(proc, 20))
         else:
             log.warning("%s (pid %d) %s after %.1f s up; restarting %s", t.name, proc.pid, status, up,
@@ -208,7 +253,7 @@ class Supervisor:
         new = Proc(t.name, p.pid, old.address, old.log, old.cmd, proc_start_time(p.pid))
         self.stack.processes[self.stack.processes.index(old)] = new
         self.stack.save()
-        t.pid, t.started_mono, t.next_start_in, t.state = p.pid, now, 0.0, "running"
+        t.pid, t.started_mono, t.next_start_in, t.state, t.ready = p.pid, now, 0.0, "running", False
         log.info("%s started again as pid %d (restart %d)", t.name, p.pid, t.restarts)
 
     def _take_requests(self, now: float) -> bool:

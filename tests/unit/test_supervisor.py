@@ -38,7 +38,8 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
     for name, cmd in (("steady", ["sleep", "300"]), ("flaky", ["sh", "-c", "echo boom-$$; exit 3"])):
         with open(tmp_path / "logs" / f"{name}.log", "ab") as log:
             proc, child = _spawn(cmd, log)
-        proc.name = name
+        # The flaky one's address never answers a health check: its runs are never good.
+        proc.name, proc.address = name, "127.0.0.1:1" if name == "flaky" else ""
         children.append(child)
         stack.processes.append(proc)
     stack.save()
@@ -62,8 +63,17 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
         children[0].wait(5)     # ours to reap: the supervisor cannot know how it died
         s = wait_until(lambda: (s := status()) and s["steady"]["restarts"] == 1 and s, 5, "the status file")
         assert s["steady"]["state"] == "running" and not s["steady"]["crash_loop"]
+        # Killed again soon after a good (ready) run: still at once, no backoff.
+        wait_until(lambda: status()["steady"]["ready"], 5, "the new steady to be ready")
+        os.kill(new.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_until(lambda: (p := Stack.load(tmp_path).proc("steady")).pid != new.pid and p.alive(), 10,
+                   "steady to be restarted again")
+        assert time.monotonic() - t0 < 2.0
+        s = wait_until(lambda: (s := status()) and s["steady"]["restarts"] == 2 and s, 5, "the status file")
+        assert s["steady"]["quick_exits"] == 0 and s["steady"]["last_exit"] == "signal SIGKILL"
 
-        # The flaky one dies within a second of each start: backed off, then reported.
+        # The flaky one dies before it is ever ready: backed off, then reported.
         s = wait_until(lambda: (s := status()) and s["flaky"]["crash_loop"] and s, 20, "the crash loop report")
         assert s["flaky"]["quick_exits"] >= CRASH_LOOP_AFTER and s["flaky"]["last_exit"] == "exit code 3"
         log_text = (tmp_path / "logs" / "supervisor.log").read_text()
@@ -83,7 +93,7 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
         request_restart(tmp_path, "steady")
         wait_until(lambda: (p := Stack.load(tmp_path).proc("steady")).pid != before.pid and p.alive(), 20,
                    "the requested restart")
-        s = wait_until(lambda: (s := status()) and s["steady"]["restarts"] == 2 and s, 5, "the status file")
+        s = wait_until(lambda: (s := status()) and s["steady"]["restarts"] == 3 and s, 5, "the status file")
         assert s["steady"]["quick_exits"] == 0 and not s["steady"]["crash_loop"]
         assert not (tmp_path / "control" / "restart-steady").exists()
 
