@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import tempfile
 import threading
@@ -73,7 +74,9 @@ class PeakPoller:
 
     def _run(self) -> None:
         from kvpop.pb import compute_pb2, compute_pb2_grpc
-        with grpc.insecure_channel(self.address) as ch:
+        from kvpop.security import sync_channel
+        # Compute's Info needs the stack's internal token (KVPOP_INTERNAL_TOKEN or _FILE, TLS as KVPOP_TLS_*).
+        with sync_channel(self.address) as ch:
             stub = compute_pb2_grpc.ComputeStub(ch)
             while not self._stop.is_set():
                 try:
@@ -154,6 +157,8 @@ def run(args) -> int:
                             service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
                                                       str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
         address, compute = stack.gateway, stack.proc("compute").address
+        if stack.token_file:
+            os.environ["KVPOP_INTERNAL_TOKEN_FILE"] = stack.token_file     # for the PeakPoller
     insts = workload(args.requests, args.seed)
     rows = []
     try:
