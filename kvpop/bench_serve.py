@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import tempfile
 import threading
@@ -56,8 +55,9 @@ def add_arguments(p) -> None:
 class PeakPoller:
     """Polls compute's Info for the peak running sequences and pool pages."""
 
-    def __init__(self, address: str | None, period: float = 0.02):
-        self.address, self.period = address, period
+    def __init__(self, address: str | None, period: float = 0.02, security=None):
+        """security: how to reach compute (its stack's token; None: KVPOP_INTERNAL_TOKEN(_FILE), KVPOP_TLS_*)."""
+        self.address, self.period, self.security = address, period, security
         self.running = self.pages = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -75,8 +75,8 @@ class PeakPoller:
     def _run(self) -> None:
         from kvpop.pb import compute_pb2, compute_pb2_grpc
         from kvpop.security import sync_channel
-        # Compute's Info needs the stack's internal token (KVPOP_INTERNAL_TOKEN or _FILE, TLS as KVPOP_TLS_*).
-        with sync_channel(self.address) as ch:
+        # Compute's Info needs the stack's internal token.
+        with sync_channel(self.address, self.security) as ch:
             stub = compute_pb2_grpc.ComputeStub(ch)
             while not self._stop.is_set():
                 try:
@@ -97,12 +97,12 @@ def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
 
 
 def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
-            sink: int = 4, recent: int = 8, new_tokens: int = 256) -> dict:
+            sink: int = 4, recent: int = 8, new_tokens: int = 256, security=None) -> dict:
     from kvpop.tasks.checker import is_correct
     rng = random.Random(seed)
     streams = []
     t0 = time.perf_counter()
-    with PeakPoller(compute) as peaks:
+    with PeakPoller(compute, security=security) as peaks:
         for i, inst in enumerate(insts):
             if math.isfinite(rate):
                 time.sleep(rng.expovariate(rate))
@@ -157,8 +157,6 @@ def run(args) -> int:
                             service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
                                                       str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
         address, compute = stack.gateway, stack.proc("compute").address
-        if stack.token_file:
-            os.environ["KVPOP_INTERNAL_TOKEN_FILE"] = stack.token_file     # for the PeakPoller
     insts = workload(args.requests, args.seed)
     rows = []
     try:
@@ -171,7 +169,8 @@ def run(args) -> int:
             for rate in rates:
                 for pol in policies:
                     rows.append(run_one(stub, generate_pb2, insts, pol, args.budget, rate, compute,
-                                        args.seed, bar, args.sink, args.recent, args.new_tokens))
+                                        args.seed, bar, args.sink, args.recent, args.new_tokens,
+                                        security=stack.security() if stack is not None else None))
             bar.close()
     finally:
         if stack is not None:
