@@ -400,3 +400,27 @@ def test_pipelined_decode_plans_run_within_the_slack(model):
     rounds = [r for o in outs for r in o.rounds]
     assert outs[-1].usage.network_evictions == outs[-1].usage.kv_blocks_evicted > 0
     assert max(r["plan_age_steps"] for r in rounds) >= 1, rounds
+
+
+def test_restarted_advisor_gets_the_resident_blocks_again(model):
+    """A new advisor epoch (a restarted cache-manager): compute re-sends the
+    features of every block a running learned sequence still holds in some
+    row, with the blocks each row evicted, and plans resume."""
+    adv = ScriptedAdvisor()
+    engine = tiny_engine(model, advisor=adv, prefill_chunk=8)
+    engine.add_request("r", random_prompt(80, seed=4), SamplingParams(max_tokens=30, ignore_eos=True),
+                       EvictionParams("learned", budget=32, sink=4, recent=8))
+    for _ in range(25):
+        engine.step()
+    seq = engine.seqs["r"]
+    assert seq.evicted_blocks > 0
+    sent = adv.submitted
+    adv.release("r")                 # the restarted advisor knows nothing of r
+    adv.epoch += 1
+    engine.step()
+    resident = {int(b) for b in seq.block_index.unique()} - set(range(seq.eviction.sink_blocks))
+    resent = engine.stats()["features_resent"]   # (the step may also send a block leaving the window)
+    assert adv.submitted - sent >= resent >= len({b for b in resident if b < seq.sent_upto}) > 0
+    outs = run_all(engine)["r"]
+    u = outs[-1].usage
+    assert u.network_evictions == u.kv_blocks_evicted
