@@ -47,8 +47,9 @@ def byte_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer():
-    """A byte-level `tokenizers.Tokenizer` with the three special tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level `tokenizers.Tokenizer` with the three special tokens; BOS
+    is added by its post-processor."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for b, ch in byte_to_unicode().items():
@@ -57,6 +58,8 @@ def build_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    # BOS on every fresh sequence, said by the tokenizer itself (as transformers reads it).
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
     return tok
 
 
