@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
 
 
@@ -55,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="HF model folder")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), type=model_arg,
+                   help="HF model folder or a fetched name (smollm2-135m)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=7)

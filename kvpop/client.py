@@ -1,4 +1,5 @@
-"""`kvpop generate "PROMPT"`: stream a completion from a running gateway,
+"""`kvpop generate "PROMPT"` or `kvpop generate --chat "MESSAGE" [--system
+TEXT]`: stream a completion from a running gateway,
 printing text as tokens arrive and a one-line usage summary on stderr.
 Only the generated stubs and grpc are needed (no torch)."""
 from __future__ import annotations
@@ -42,7 +43,16 @@ def gateway_address(args: argparse.Namespace) -> str:
 def build_request(args: argparse.Namespace):
     from kvpop.pb import generate_pb2
 
-    req = generate_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop or [], ignore_eos=args.ignore_eos,
+    if (args.prompt is None) == (args.chat is None):
+        raise SystemExit("kvpop generate: give either PROMPT (plain completion) or --chat MESSAGE (a chat), not both")
+    if args.system is not None and args.chat is None:
+        raise SystemExit("kvpop generate: --system goes with --chat")
+    messages = []
+    if args.chat is not None:
+        if args.system is not None:
+            messages.append(generate_pb2.ChatMessage(role="system", content=args.system))
+        messages.append(generate_pb2.ChatMessage(role="user", content=args.chat))
+    req = generate_pb2.GenerateRequest(prompt=args.prompt or "", messages=messages, stop=args.stop or [], ignore_eos=args.ignore_eos,
                                        logprobs=args.logprobs, policy=args.policy or "",
                                        session_id=args.session or "", request_id=args.request_id or "")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "sink_tokens",
@@ -64,7 +74,10 @@ def build_request(args: argparse.Namespace):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="text to complete as it is (or use --chat)")
+    p.add_argument("--chat", metavar="MESSAGE",
+                   help="send MESSAGE as the user's turn of a chat, rendered with the model's chat template")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)

@@ -45,6 +45,11 @@ def _on_off_auto(s: str) -> str:
         raise ValueError(f"expected on, off or auto, got {s!r}") from None
 
 
+def _model_folder(s: str) -> str:
+    from kvpop.model_store import resolve_model
+    return resolve_model(s)
+
+
 def setting(env: str, default: Any, help: str, parse: Callable[[str], Any] | None = None) -> Any:
     if parse is None:
         parse = _parse_bool if isinstance(default, bool) else type(default)
@@ -96,7 +101,9 @@ class ComputeConfig(ServerConfig):
     port: int = setting("KVPOP_COMPUTE_PORT", 50052, "compute port (0 = any free port)")
     metrics_port: int = setting("KVPOP_METRICS_PORT", 9092, "HTTP port of /metrics and /healthz "
                                 "(0 = any free port, -1 = off)")
-    model: str = setting("KVPOP_MODEL_DIR", str(DEFAULT_MODEL_DIR), "model folder (Hugging Face layout)")
+    model: str = setting("KVPOP_MODEL_DIR", str(DEFAULT_MODEL_DIR),
+                         "model folder (Hugging Face layout), or a name fetched by `kvpop fetch-model`",
+                         _model_folder)
     device: str = setting("KVPOP_DEVICE", "auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("KVPOP_DTYPE", "auto", "float32, bfloat16, float16 or auto (the checkpoint's)")
     block_size: int = setting("KVPOP_BLOCK_SIZE", 16, "positions per KV block (1 = token-level eviction)")

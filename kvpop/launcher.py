@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvpop.model_store import model_arg, resolve_model
 from kvpop.paths import REPO_ROOT
 
 STATE_FILE = "stack.json"
@@ -249,6 +250,11 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         raise LaunchError(f"a stack is already running from {state_dir} (gateway {old.gateway}); "
                           f"run `kvpop down` first")
     say = progress or (lambda msg: None)
+    if model:
+        try:
+            model = resolve_model(model)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
     stack = Stack(state_dir=str(state_dir))
     child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
@@ -446,7 +452,9 @@ def _model_line(gateway: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model folder (Hugging Face layout); default: the embedded model")
+    p.add_argument("--model", type=model_arg,
+                   help="model folder (Hugging Face layout) or a fetched name (smollm2-135m, see `kvpop fetch-model`); "
+                        "default: the embedded model")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--port", type=int, help="gateway port (default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the services")

@@ -84,22 +84,27 @@ def is_fetched(folder: Path, spec: KnownModel | None = None) -> bool:
 
 
 def resolve_model(value: str | os.PathLike) -> str:
-    """A model folder for a `--model` value: an existing path as it is, a
-    known name (`smollm2-135m`) as its fetched folder. ValueError with what
-    to run when the name is known but not fetched, or the value is neither."""
+    """The model folder a `--model` value names: a known model name
+    (`smollm2-135m`) that is not also an existing path is its fetched folder
+    (ValueError saying what to run when it is not fetched yet); anything else
+    is a path, returned as given (the loader reports what is missing)."""
     value = str(value)
-    if Path(value).expanduser().exists():
-        return str(Path(value).expanduser())
     spec = KNOWN_MODELS.get(value)
-    if spec is None:
-        if "/" not in value and os.sep not in value:
-            raise ValueError(f"model {value!r}: no such folder, and not a known model name "
-                             f"(known: {', '.join(KNOWN_MODELS)})")
-        return value    # a path; the loader says what is missing
+    if spec is None or Path(value).exists():
+        return value
     folder = model_dir(value)
     if not is_fetched(folder, spec):
-        raise ValueError(f"model {value!r} is not fetched yet ({folder}): run `kvpop fetch-model {value}`")
+        raise ValueError(f"model {value!r} is not fetched yet (no complete {folder}): "
+                         f"run `kvpop fetch-model {value}`")
     return str(folder)
+
+
+def model_arg(value: str) -> str:
+    """argparse `type=` for --model options: resolve_model, its error as the usage error."""
+    try:
+        return resolve_model(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # ---------------------------------------------------------------- fetching

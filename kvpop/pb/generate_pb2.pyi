@@ -20,8 +20,16 @@ FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_ABORTED: FinishReason
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id", "sink_tokens", "recent_tokens")
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id", "sink_tokens", "recent_tokens", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +47,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -56,7 +65,8 @@ class GenerateRequest(_message.Message):
     request_id: str
     sink_tokens: int
     recent_tokens: int
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")
@@ -126,7 +136,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_model_len", "block_size", "policies", "default_policy", "placeholder", "vocab_size", "dtype", "device")
+    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_model_len", "block_size", "policies", "default_policy", "placeholder", "vocab_size", "dtype", "device", "chat_template")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +151,7 @@ class ModelInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_layers: int
@@ -155,4 +166,5 @@ class ModelInfo(_message.Message):
     vocab_size: int
     dtype: str
     device: str
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., policies: _Optional[_Iterable[str]] = ..., default_policy: _Optional[str] = ..., placeholder: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    chat_template: bool
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., policies: _Optional[_Iterable[str]] = ..., default_policy: _Optional[str] = ..., placeholder: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., chat_template: _Optional[bool] = ...) -> None: ...

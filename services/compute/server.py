@@ -91,7 +91,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
             max_model_len=eng.max_model_len, block_size=cfg.block_size, policies=list(POLICY_NAMES),
             placeholder=bool(raw.get("kvpop_placeholder", False)), vocab_size=mc.vocab_size,
-            dtype=str(eng.model.dtype).removeprefix("torch."), device=device)
+            dtype=str(eng.model.dtype).removeprefix("torch."), device=device,
+            chat_template=eng.tokenizer.chat_template is not None)
         log.info("model %s loaded (%s, %s on %s, %d pages)", cfg.model, mc.architecture,
                  self.model_info.dtype, device, eng.pool.capacity)
 
@@ -163,8 +164,16 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"session {sid!r} has no KV parked on replica {self.replica_id} "
                                 "(expired or dropped): re-prefill it from its history")
-        turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
-                                                                     add_bos=not (held or history))
+        if request.messages:
+            if held or history:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages cannot continue a session")
+            try:
+                turn = eng.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+            except ValueError as e:     # no chat template, or the template refused the conversation
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        else:
+            turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
+                                                                         add_bos=not (held or history))
         ids = history + turn
         limit = eng.max_model_len
         if held + len(ids) >= limit:

@@ -133,7 +133,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
 
     async def _generate(self, request, creq: compute_pb2.ComputeRequest, context: grpc.aio.ServicerContext):
         remaining = context.time_remaining()
-        if self.prewarm is not None:
+        if self.prewarm is not None and request.prompt:     # chats are not counted (yet)
             self._spawn(self._count_prefixes(request.prompt))
         sid = request.session_id
         # Moves to another replica while nothing was streamed (routing.py); a session

@@ -3,9 +3,9 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| neither prompt nor messages, or both; a message role other than system/user/assistant; messages for a model without a chat template; messages with a session_id; empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
 | request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
-| prompt longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
+| prompt (or all message contents together) longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvpop.config import GatewayConfig
 from kvpop.pb import compute_pb2, generate_pb2
 
 MAX_STOP_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant")
 # Use with fullmatch: "^...$" with match() would let a trailing newline through.
 ID_PATTERN = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
@@ -38,9 +39,11 @@ def _check_float(name: str, value: float, lo: float, hi: float, lo_open: bool) -
 
 def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
              info: generate_pb2.ModelInfo) -> compute_pb2.ComputeRequest:
-    if not req.prompt:
-        raise Invalid("prompt must not be empty")
-    if len(req.prompt) > cfg.max_prompt_chars:
+    if req.messages:
+        _check_messages(req, cfg, info)
+    elif not req.prompt:
+        raise Invalid("prompt must not be empty (or send messages: a chat)")
+    elif len(req.prompt) > cfg.max_prompt_chars:
         raise Invalid(f"prompt has {len(req.prompt)} characters; the limit is {cfg.max_prompt_chars} "
                       f"(KVPOP_MAX_PROMPT_CHARS)", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -111,4 +114,24 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
         if value and not ID_PATTERN.fullmatch(value):
             raise Invalid(f"{name} must be 1-128 characters of [A-Za-z0-9._:@/-], got {value[:40]!r}")
     return compute_pb2.ComputeRequest(request_id=req.request_id or uuid.uuid4().hex, prompt=req.prompt,
-                                      sampling=s, eviction=ev, session_id=req.session_id)
+                                      sampling=s, eviction=ev, session_id=req.session_id,
+                                      messages=req.messages)
+
+
+def _check_messages(req: generate_pb2.GenerateRequest, cfg: GatewayConfig, info: generate_pb2.ModelInfo) -> None:
+    if req.prompt:
+        raise Invalid("set either prompt or messages, not both")
+    if not info.chat_template:
+        raise Invalid(f"the served model ({info.name}) has no chat template, so it takes no messages: "
+                      f"send a prompt instead")
+    if req.session_id:
+        raise Invalid("messages cannot be combined with session_id: send the whole conversation as messages "
+                      "(or use prompt turns with session_id)")
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            shown = repr(m.role[:40]) + ("..." if len(m.role) > 40 else "")
+            raise Invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {shown}")
+    chars = sum(len(m.content) for m in req.messages)
+    if chars > cfg.max_prompt_chars:
+        raise Invalid(f"messages have {chars} characters of content; the limit is {cfg.max_prompt_chars} "
+                      f"(KVPOP_MAX_PROMPT_CHARS)", grpc.StatusCode.RESOURCE_EXHAUSTED)
