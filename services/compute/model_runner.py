@@ -38,6 +38,7 @@ class _Prefill:
     acc: list = None
     last: list = None
     window: list = None
+    fresh: bool = False     # the sequence's first tokens: nothing cached before this chunk
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _Decode:
     last_len: torch.Tensor = None
     index: torch.Tensor = None     # tables as int64 (gather index)
     visible: torch.Tensor = None   # [L, B, Hkv, 1, S] bool
+    length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
 
 
 class ModelRunner:
@@ -94,7 +96,7 @@ class ModelRunner:
                 first = seq.num_blocks - 1 - ((n1 - 1) // bs - n0 // bs)
                 write_pages.append(seq.page_table[:, :, [first + p // bs - n0 // bs for p in range(n0, n1)]])
                 slot = (seq.block_index.long()[..., None] * bs + torch.arange(bs, device=dev)).flatten(2)
-                prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], []))
+                prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], [], n0 == 0))
             if n1 == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -128,7 +130,7 @@ class ModelRunner:
                 if dec.stats:
                     dec_mass.append(mass)
             for pf in prefill:
-                out[pf.start:pf.start + pf.length] = self._prefill_attention(layer, pf, q)
+                out[pf.start:pf.start + pf.length] = self._prefill_attention(layer, pf, q, k, v)
             return out
 
         hidden = self.model(input_ids, positions, attention)
@@ -178,6 +180,11 @@ class ModelRunner:
         if self.window is not None:
             visible &= slot > q_pos - self.window
         meta.visible = visible.unsqueeze(3)                                    # [L, B, Hkv, 1, S]
+        if B == 1 and not stats and self.window is None:
+            seq = decode[0][0]
+            nb = seq.block_index.shape[-1]
+            if int(seq.block_index.min()) == 0 and int(seq.block_index.max()) == nb - 1:
+                meta.length = cur[0] + 1    # sorted, distinct, 0..nb-1: every position, in order
         return meta
 
     def _decode_attention(self, layer: int, q: torch.Tensor, dec: "_Decode"):
@@ -189,6 +196,13 @@ class ModelRunner:
         # index_select on the flat index: ~1.5x faster than advanced indexing on CPU.
         k = self.pool.k_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
         v = self.pool.v_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
+        if dec.length:
+            # One dense sequence: its keys are exactly positions 0..n-1, so attend
+            # to them unmasked, as transformers' decode step does (same call, same logits).
+            n = dec.length
+            o = F.scaled_dot_product_attention(q.view(1, self.Hq, 1, d), k[:, :, :n], v[:, :, :n],
+                                               scale=self.scale, enable_gqa=G > 1)
+            return o.view(1, self.Hq, d), None
         qh = q.view(B, Hkv, G, d)     # the G query heads of a kv-head act as G queries
         mask = dec.visible[layer]
         if not dec.stats:
@@ -199,8 +213,18 @@ class ModelRunner:
         o = torch.matmul(probs, v.float()).to(q.dtype).reshape(B, self.Hq, d)
         return o, probs.view(B, Hkv, G, NB, bs).sum(-1).mean(2)
 
-    def _prefill_attention(self, layer: int, pf: _Prefill, q: torch.Tensor) -> torch.Tensor:
+    def _prefill_attention(self, layer: int, pf: _Prefill, q: torch.Tensor, k_new: torch.Tensor,
+                           v_new: torch.Tensor) -> torch.Tensor:
         seq, t, G, d = pf.seq, pf.length, self.G, self.d
+        if seq.eviction.budget_blocks is None and pf.fresh and (self.window is None or t <= self.window):
+            # A dense sequence's first chunk attends only to itself: plain causal
+            # attention over its own new keys, the very call transformers makes
+            # (no gather, no padded slots, no mask), so the logits match it bit for bit.
+            rows = slice(pf.start, pf.start + t)
+            out = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], k_new[rows].transpose(0, 1)[None],
+                v_new[rows].transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=G > 1)
+            return out[0].transpose(0, 1)
         pages = seq.page_table[layer].long()                                   # [Hkv, NB]
         NB = pages.shape[1]
         k = self.pool.k_pages[pages].reshape(self.Hkv, NB * self.bs, d)
