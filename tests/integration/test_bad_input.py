@@ -44,6 +44,10 @@ BAD = [
     (dict(session_id="bad id with spaces"), IA, "session_id"),
     (dict(request_id="x" * 200), IA, "request_id"),
     (dict(prompt="a" * 70_000), RE, "KVPOP_MAX_PROMPT_CHARS"),
+    # Chats: the placeholder has no chat template.
+    (dict(messages=[generate_pb2.ChatMessage(role="user", content="hi")]), IA,
+     "set either prompt or messages, not both"),
+    (dict(prompt="", messages=[generate_pb2.ChatMessage(role="user", content="hi")]), IA, "has no chat template"),
     (dict(prompt="a" * 5_000_000), RE, ""),          # over the 4 MiB message limit (gRPC itself)
     (dict(prompt="a" * 5000), RE, "max length"),     # more tokens than the model's max length
 ]
