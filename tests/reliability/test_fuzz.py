@@ -152,6 +152,8 @@ def expected(req: generate_pb2.GenerateRequest, policies: list[str]) -> set[grpc
 
     if not req.prompt:
         bad.add(IA)
+    if req.messages:
+        bad.add(IA)     # the placeholder has no chat template (and with a prompt: not both)
     if len(req.prompt) > MAX_PROMPT_CHARS or len(req.prompt.encode()) > 4 * 1024 * 1024:
         bad.add(RE)
     n_bytes = len(req.prompt.encode())

