@@ -26,10 +26,12 @@ from tqdm import tqdm
 
 from kvpop.loadgen import Stream, percentile as _pct, request
 from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.model_store import model_arg
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the stack it starts")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), type=model_arg,
+                   help="model folder for the stack it starts, or a fetched name (smollm2-135m)")
     p.add_argument("--via", metavar="HOST:PORT", help="use this running gateway instead of starting a stack")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=1200)

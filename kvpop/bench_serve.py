@@ -31,10 +31,12 @@ from tqdm import tqdm
 
 from kvpop.loadgen import Stream, percentile, request
 from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.model_store import model_arg
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), help="model folder for the stack it starts")
+    p.add_argument("--model", default=str(DEFAULT_MODEL_DIR), type=model_arg,
+                   help="model folder for the stack it starts, or a fetched name (smollm2-135m)")
     p.add_argument("--via", metavar="HOST:PORT", help="a running gateway instead of starting a stack")
     p.add_argument("--compute", metavar="HOST:PORT", help="with --via: compute, for pool and running peaks")
     p.add_argument("--policies", default="dense,learned")

@@ -7,12 +7,15 @@ import argparse
 import time
 from pathlib import Path
 
+from kvpop.model_store import model_arg
+
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="models/default", help="model folder (HF layout)")
+    p.add_argument("--model", default="models/default", type=model_arg,
+                   help="model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--policies", default=DEFAULT_POLICIES)
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")

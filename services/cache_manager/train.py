@@ -24,11 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpop.model_store import model_arg
+
 KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="models/default", help="served model folder (HF layout)")
+    p.add_argument("--model", default="models/default", type=model_arg,
+                   help="served model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--out", default=None, help="checkpoint path (default: MODEL/estimator.safetensors)")
     p.add_argument("--n", type=int, default=160, help="task instances to trace (TRAIN seeds)")
     p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget")
