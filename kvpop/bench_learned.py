@@ -25,8 +25,8 @@ import grpc
 from tqdm import tqdm
 
 from kvpop.loadgen import Stream, percentile as _pct, request
-from kvpop.paths import DEFAULT_MODEL_DIR
 from kvpop.model_store import model_arg
+from kvpop.paths import DEFAULT_MODEL_DIR
 
 
 def add_arguments(p) -> None:
