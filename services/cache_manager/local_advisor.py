@@ -29,7 +29,6 @@ class EvictionPlan:
     covers: int = 0
     ranker: str = "network"
     error: str = ""
-    received_step: int = -1
 
     @property
     def source(self) -> str:

@@ -49,7 +49,6 @@ class EvictionPlan:
     covers: int = 0               # one past the highest block the advisor knew when it ranked
     ranker: str = "network"       # "network" | "heuristic"
     error: str = ""               # a fallback reason (MALFORMED_PLAN) when the plan is unusable
-    received_step: int = -1       # engine step at which the engine took it
 
     @property
     def source(self) -> str:

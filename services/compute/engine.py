@@ -58,7 +58,7 @@ class EngineConfig:
     # on purpose: a sequence held for its plan is the back-pressure that keeps
     # compute from outrunning the cache-manager (16 tokens of slack at block size
     # 1 let compute flood it: network share fell from 100% to 16-75% under load).
-    plan_slack_blocks: int | None = None
+    plan_slack_blocks: int = 2
     plan_wait_s: float = 2.0              # most a learned sequence is held for a plan before the fallback
     # Decode rounds: False (default) holds the sequence for its plan as prefill does, so
     # served evictions are exactly the in-process ones (deterministic: the eval measures
@@ -145,11 +145,6 @@ class LLMEngine:
         self.idle = True                                # the last step had nothing to run
         self._advisor_failed = False
 
-    @property
-    def plan_slack_blocks(self) -> int:
-        c = self.config
-        return c.plan_slack_blocks if c.plan_slack_blocks is not None else 2
-
     # ------------------------------------------------------------ requests
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
                       sampling: SamplingParams | None = None,
@@ -171,7 +166,7 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         c, mc = self.config, self.model.config
         state = resolve_eviction(eviction, block_size=c.block_size, prompt_len=len(prompt),
-                                 max_tokens=sampling.max_tokens, plan_slack_blocks=self.plan_slack_blocks,
+                                 max_tokens=sampling.max_tokens, plan_slack_blocks=c.plan_slack_blocks,
                                  cleanup_floor=c.cleanup_floor)
         seq = Sequence(request_id, prompt, sampling, state, mc.num_layers, mc.num_kv_heads,
                        mc.head_dim, c.block_size, self.model.device)
@@ -369,20 +364,17 @@ class LLMEngine:
                 self._after_step(seq)
         return outputs
 
-    def _advise(self, method: str, *args):
-        """Call the advisor's ``method``; a failing advisor is like an absent
-        one (the fallback policy keeps memory bounded), never a failed request."""
-        if self.advisor is None:
-            return None
+    def _advise(self, call, *args):
+        """Call an advisor method; a failing advisor is like an absent one (the
+        fallback policy keeps memory bounded), never a failed request."""
         try:
-            out = {"submit": self.advisor.submit, "take_plans": self.advisor.take_plans,
-                   "release": self.advisor.release}[method](*args)
+            out = call(*args)
             self._advisor_failed = False
             return out
         except Exception:
             self.counters["advisor_errors"] += 1
             self._advisor_failed = True     # no plan will come from it: do not wait for one
-            log.exception("eviction advisor %s failed", method)
+            log.exception("eviction advisor %s failed", getattr(call, "__name__", call))
             return None
 
     # ------------------------------------------------------------ eviction
@@ -397,11 +389,9 @@ class LLMEngine:
         learned = [s for s in self.scheduler.running if s.eviction.policy == LEARNED
                    and s.eviction.budget_blocks is not None and s.num_blocks]
         if self.advisor is not None:
-            step = self.counters["steps"]
-            for rid, plan in (self._advise("take_plans") or {}).items():
+            for rid, plan in (self._advise(self.advisor.take_plans) or {}).items():
                 seq = self.seqs.get(rid)
                 if seq is not None and seq.eviction.policy == LEARNED:
-                    plan.received_step = step
                     seq.pending_plan = plan
             if self._advisor_up():
                 for seq in learned:
@@ -421,7 +411,7 @@ class LLMEngine:
         feats = resident_block_features(seq)
         if feats:
             seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-            self._advise("submit", feats, self._take_gone(seq))
+            self._advise(self.advisor.submit, feats, self._take_gone(seq))
             self.counters["features_resent"] += len(feats)
 
     @staticmethod
@@ -454,7 +444,7 @@ class LLMEngine:
                 if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
                     seq.submitted_at.clear()
                 seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-                self._advise("submit", feats, self._take_gone(seq))
+                self._advise(self.advisor.submit, feats, self._take_gone(seq))
         else:
             blocks_leaving_window(seq)   # advances sent_upto: re-sent in full when the advisor is back
         self._learned_round(seq, time.monotonic())
@@ -589,8 +579,8 @@ class LLMEngine:
         if seq.prewarm:
             return StepOutput(seq.request_id, tok, "", None, True, reason, usage)
         rounds, seq.rounds = seq.rounds, []
-        if seq.eviction.policy == LEARNED:
-            self._advise("release", seq.request_id)
+        if seq.eviction.policy == LEARNED and self.advisor is not None:
+            self._advise(self.advisor.release, seq.request_id)
         self.counters["finished_requests"] += 1
         self.counters[f"finish_{reason}"] += 1
         for (src, why), n in seq.evictions.items():
@@ -645,6 +635,7 @@ class LLMEngine:
             "learned_evictions": sum(n for (p, _, _), n in by_source.items() if p == LEARNED),
             "held_for_plan": sum(1 for s in self.scheduler.running if s.holding),
             "features_resent": self.counters["features_resent"],
+            "plan_waits_expired": self.counters["plan_waits_expired"],
             "generated_tokens": self.counters["generated_tokens"],
             "prompt_tokens": self.counters["prompt_tokens"],
             "steps": self.counters["steps"],

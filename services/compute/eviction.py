@@ -202,19 +202,9 @@ def overshoot(seq: Sequence) -> int:
     return max(0, seq.num_blocks - target)
 
 
-def usable_plan(seq: Sequence) -> EvictionPlan | None:
-    """The sequence's latest plan if it ranks every block sent so far (fresh)
-    and fits the sequence; an unusable one stays for ``plan_problem``."""
-    p = seq.pending_plan
-    if p is None or p.error or p.evict is None or p.covers < seq.sent_upto:
-        return None
-    if p.evict.dim() != 3 or tuple(p.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
-        return None
-    return p
-
-
 def plan_problem(seq: Sequence) -> str:
-    """Why the latest plan cannot be used now ('' when it simply is not fresh yet)."""
+    """Why the latest plan cannot be used ('' when there is none or it is usable
+    once fresh): a fallback reason."""
     p = seq.pending_plan
     if p is None:
         return ""
@@ -223,6 +213,14 @@ def plan_problem(seq: Sequence) -> str:
     if p.evict is None or p.evict.dim() != 3 or tuple(p.evict.shape[:2]) != (seq.num_layers, seq.num_kv_heads):
         return SHAPE_MISMATCH
     return ""
+
+
+def usable_plan(seq: Sequence) -> EvictionPlan | None:
+    """The latest plan if it fits the sequence and ranks every block sent so far (fresh)."""
+    p = seq.pending_plan
+    if p is None or plan_problem(seq) or p.covers < seq.sent_upto:
+        return None
+    return p
 
 
 def eviction_round(seq: Sequence, pool: KVPool, plan: EvictionPlan | None = None, reason: str = "") -> None:

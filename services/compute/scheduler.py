@@ -49,10 +49,14 @@ class Scheduler:
         self.holders: list = []
         self.on_admit = None   # callback(seq) right after a sequence is admitted
 
+    @staticmethod
+    def dense_blocks(seq: Sequence) -> int:
+        return math.ceil((seq.num_prompt + seq.sampling.max_tokens) / seq.block_size)
+
     def reservation(self, seq: Sequence) -> int:
         """Pages ``seq`` may hold from now on, outside the overshoot headroom."""
         st, bs = seq.eviction, seq.block_size
-        dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / bs)
+        dense = self.dense_blocks(seq)
         if st.budget_blocks is None:
             # Blocks shared from the prefix cache are counted by the cache, which
             # keeps them while a sequence holds them.
@@ -70,16 +74,15 @@ class Scheduler:
         """A budgeted sequence's blocks outside prefill overshoot: the budget, the
         decode slack of a learned sequence, and the block a decode step opens."""
         st = seq.eviction
-        dense = math.ceil((seq.num_prompt + seq.sampling.max_tokens) / seq.block_size)
-        return min(dense, st.budget_blocks + st.slack_blocks + 1)
+        return min(Scheduler.dense_blocks(seq), st.budget_blocks + st.slack_blocks + 1)
 
     def may_overshoot(self, seq: Sequence) -> bool:
         """Whether ``seq`` can ever hold more than its base (its budget is below its length)."""
         if seq.eviction.budget_blocks is None:
             return False
-        return self.base_blocks(seq) < math.ceil((seq.num_prompt + seq.sampling.max_tokens) / seq.block_size)
+        return self.base_blocks(seq) < self.dense_blocks(seq)
 
-    def overshoot(self, seq: Sequence) -> int:
+    def headroom_used(self, seq: Sequence) -> int:
         """Blocks per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""
         if seq.eviction.budget_blocks is None:
             return 0
@@ -94,7 +97,10 @@ class Scheduler:
         return min(self.headroom_chunks * chunk, max(2, self.pool.capacity // self.rows // 8))
 
     def reserved(self, candidate: Sequence | None = None) -> int:
-        seqs = self.running + ([candidate] if candidate is not None else [])
+        """Pages promised to the running sequences (and ``candidate``), headroom included."""
+        return self._reserve(self.running + ([candidate] if candidate is not None else []))
+
+    def _reserve(self, seqs: list[Sequence]) -> int:
         total = sum(self.reservation(s) for s in seqs)
         budgeted = [s for s in seqs if self.may_overshoot(s)]
         if budgeted:
@@ -116,8 +122,7 @@ class Scheduler:
         return True
 
     def add(self, seq: Sequence) -> None:
-        alone = self.reservation(seq) + (self.headroom_blocks(seq.block_size) * self.rows
-                                         if self.may_overshoot(seq) else 0)
+        alone = self._reserve([seq])
         if alone > self.pool.capacity:
             raise ValueError(f"request needs up to {alone} KV pages, the pool has "
                              f"{self.pool.capacity}: lower max_tokens or set a smaller budget")
@@ -134,7 +139,6 @@ class Scheduler:
         cap = self.pool.capacity
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.reserved(seq) - self.reserved()
             while self.reserved(seq) > self.cleanup_threshold * cap and self._shrink_one():
                 pass
             need = self.reserved(seq) - self.reserved()
@@ -149,7 +153,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         self._admit()
         batch, chunk_left = [], self.prefill_chunk
-        over = sum(self.overshoot(s) for s in self.running)
+        used = sum(self.headroom_used(s) for s in self.running)
         for seq in self.running:
             if seq.holding:   # a learned sequence waiting for its eviction plan (only it waits)
                 continue
@@ -166,21 +170,21 @@ class Scheduler:
                 # depend on the load. A chunk that does not fit this step waits.
                 unit = self.budgeted_chunk(seq.block_size)
                 t = min(todo, unit - seq.num_cached % unit)
-                if t > chunk_left or self._overshoot_after(seq, t) > self._room(seq, over):
+                if t > chunk_left or self._headroom_after(seq, t) > self._room(seq, used):
                     continue
-                over += self._overshoot_after(seq, t) - self.overshoot(seq)
+                used += self._headroom_after(seq, t) - self.headroom_used(seq)
             chunk_left -= t
             batch.append((seq, t))
         return batch
 
-    def _overshoot_after(self, seq: Sequence, t: int) -> int:
+    def _headroom_after(self, seq: Sequence, t: int) -> int:
         bs = seq.block_size
         added = math.ceil((seq.num_cached + t) / bs) - math.ceil(seq.num_cached / bs)
         return max(0, seq.num_blocks + added - self.base_blocks(seq))
 
-    def _room(self, seq: Sequence, over: int) -> int:
+    def _room(self, seq: Sequence, used: int) -> int:
         """Overshoot blocks ``seq`` may reach, given everyone else's."""
-        return self.headroom_blocks(seq.block_size) - (over - self.overshoot(seq))
+        return self.headroom_blocks(seq.block_size) - (used - self.headroom_used(seq))
 
     def budgeted_chunk(self, block_size: int) -> int:
         """Prefill chunk of a budgeted sequence: ``prefill_chunk``, or less when the

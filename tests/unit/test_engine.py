@@ -159,7 +159,7 @@ def test_long_prompt_is_served_in_bounded_memory(model, policy):
                                 EvictionParams(policy, budget=budget, sink=4, recent=8)))
     assert len(outs) == 20
     rows = 2 * 2
-    slack = engine.plan_slack_blocks if policy == "learned" else 0
+    slack = engine.config.plan_slack_blocks if policy == "learned" else 0
     bound = (budget // bs + chunk // bs + 1 + slack) * rows
     assert engine.pool.peak_used <= bound
     dense_pages = math.ceil(620 / bs) * rows
@@ -211,7 +211,7 @@ def test_learned_waits_for_plans_and_counts_fallback_by_reason(model):
                 worst = max(worst, seq.num_blocks)
         usage = outs[-1].usage
         results[name], tokens[name] = usage, [o.token_id for o in outs]
-        assert worst <= 32 // 4 + engine.plan_slack_blocks + 8 // 4, name
+        assert worst <= 32 // 4 + engine.config.plan_slack_blocks + 8 // 4, name
         assert usage.kv_blocks_evicted > 0, name
         assert engine.pool.num_free == engine.pool.capacity
         assert usage.kv_blocks_evicted == (usage.network_evictions + usage.fallback_evictions
@@ -386,7 +386,7 @@ def test_engine_on_cuda(dtype):
                                     EvictionParams(policy, budget=24, sink=4, recent=4)))
         u = outs[-1].usage
         assert len(outs) == 30 and u.kv_blocks_evicted > 0, policy
-        slack = engine.plan_slack_blocks if policy == "learned" else 0
+        slack = engine.config.plan_slack_blocks if policy == "learned" else 0
         assert u.kv_blocks_resident <= (24 // 4 + slack) * 4, policy
     assert engine.pool.num_free == engine.pool.capacity
 
