@@ -49,10 +49,20 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("KVPOP_STATE_DIR", ".kvpop")).resolve()
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now and that this process has not handed out
+    before: once a probe socket closes, the kernel may give the same ephemeral
+    port to the next probe, and two services of one stack would then collide."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -15,9 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from kvpop.launcher import free_port as launcher_free_port   # one memory of ports handed out
+    return launcher_free_port()
 
 
 class RedisServer:

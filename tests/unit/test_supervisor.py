@@ -121,3 +121,11 @@ def test_token_file_is_private(tmp_path, mode):
     path = write_token(tmp_path / "state" / "internal_token", "abc123")
     assert (path.stat().st_mode & 0o777) == mode
     assert SecurityConfig.from_env({"KVPOP_INTERNAL_TOKEN_FILE": str(path)}).token == "abc123"
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    # The kernel may return the port a just-closed probe had; a stack given the
+    # same number for two listeners fails at start ("Address already in use").
+    from kvpop.launcher import free_port
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
