@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import ops
+from kvkernels import ops
 from services.compute.advisor import (CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED,
                                       BlockFeatures, EvictionPlan)
 from services.compute.kv_pool import KVPool

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
+from kvkernels import ops
 from services.compute.kv_pool import KVPool
 from services.compute.sequence import SNAPKV_WINDOW, Sequence, observe_decode
 

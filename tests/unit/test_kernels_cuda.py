@@ -1,6 +1,6 @@
-"""CUDA kernels (kernels/cuda.py) against the PyTorch references.
+"""CUDA kernels (kvkernels/cuda.py) against the PyTorch references.
 
-Needs a CUDA device and CuPy; skipped otherwise. kernels/gpu_check.sh runs it
+Needs a CUDA device and CuPy; skipped otherwise. kvkernels/gpu_check.sh runs it
 with pytest, or as a plain script (`python tests/unit/test_kernels_cuda.py`)
 where pytest is not installed.
 
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kernels import cuda, graphs, ops, reference  # noqa: E402
+from kvkernels import cuda, graphs, ops, reference  # noqa: E402
 
 CUDA_OK = cuda.available()
 REASON = "needs a CUDA device and CuPy"

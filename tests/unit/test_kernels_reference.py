@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from kernels import ops, reference
+from kvkernels import ops, reference
 
 
 def make_case(B, Hq, Hkv, d, bs, NB, dtype, seed, garbage=0.0):
@@ -193,7 +193,7 @@ def test_ops_dispatch_to_reference_on_cpu(monkeypatch):
 
 
 def test_cuda_module_imports_without_cupy_and_plans_consistent_launches():
-    from kernels import cuda
+    from kvkernels import cuda
     for NB in (1, 5, 64, 300, 4097):
         for B, Hkv in ((1, 1), (1, 8), (16, 8), (64, 8)):
             S, chunk = cuda.splits(B, Hkv, NB, 4, 132)
@@ -212,7 +212,7 @@ def test_cuda_module_imports_without_cupy_and_plans_consistent_launches():
 def test_bench_dry_run_on_cpu(tmp_path):
     import json
 
-    from kernels import bench
+    from kvkernels import bench
     rc = bench.main(["--dry-run", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "bench.json").read_text())
     assert rc == 0, results["errors"]
@@ -223,7 +223,7 @@ def test_bench_dry_run_on_cpu(tmp_path):
 
 
 def test_bench_h2o_rounds_keep_page_tables_valid():
-    from kernels import bench
+    from kvkernels import bench
     args = bench.parse_args(["--dry-run"])
     model = bench.build_model(args, torch.device("cpu"), torch.float32)
     dec = bench.LocalDecoder(model, 2, 40, 30, "h2o", 0.5, 4, use_graphs=False)
@@ -239,7 +239,7 @@ def test_bench_h2o_rounds_keep_page_tables_valid():
 
 
 # ---- the CUDA sources themselves, run on the CPU through the host emulation
-# (kernels/emulate.py): the GPU tests in test_kernels_cuda.py cover the real
+# (kvkernels/emulate.py): the GPU tests in test_kernels_cuda.py cover the real
 # device; these keep the kernels' logic checked on machines without one.
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the host emulation")
 
@@ -248,7 +248,7 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ fo
 @pytest.mark.parametrize("dtype,group,d,bs", [(torch.bfloat16, 4, 64, 16), (torch.float16, 8, 32, 4),
                                               (torch.float32, 3, 48, 1)])
 def test_cuda_attention_source_under_host_emulation(dtype, group, d, bs):
-    from kernels import cuda, emulate
+    from kvkernels import cuda, emulate
     # NaN in every padding slot and block tail; 16 "SMs" make the kernel split each sequence.
     case = make_case(B=3, Hq=2 * group, Hkv=2, d=d, bs=bs, NB=12, dtype=dtype, seed=0,
                      garbage=float("nan"))
@@ -264,7 +264,7 @@ def test_cuda_attention_source_under_host_emulation(dtype, group, d, bs):
 
 @needs_gxx
 def test_cuda_kv_ops_sources_under_host_emulation():
-    from kernels import cuda, emulate
+    from kvkernels import cuda, emulate
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 5, (9, 64), generator=g).float()   # ties
     scores[0, ::3] = float("nan")

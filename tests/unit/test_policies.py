@@ -3,7 +3,7 @@ with gone names ignored and shortfalls counted as fallback."""
 import pytest
 import torch
 
-from kernels import ops
+from kvkernels import ops
 from services.compute.advisor import EvictionPlan
 from services.compute.eviction import (EvictionState, evict_blocks, protected_mask,
                                        update_features)

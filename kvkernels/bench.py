@@ -1,7 +1,7 @@
-"""Kernel and decode benchmarks; kernels/gpu_check.sh runs this on a GPU host.
+"""Kernel and decode benchmarks; kvkernels/gpu_check.sh runs this on a GPU host.
 
-    python -m kernels.bench --out gpu_out            # on a CUDA device
-    python -m kernels.bench --dry-run --out /tmp/b   # tiny sizes on CPU: checks the code paths
+    python -m kvkernels.bench --out gpu_out            # on a CUDA device
+    python -m kvkernels.bench --dry-run --out /tmp/b   # tiny sizes on CPU: checks the code paths
 
 1. attention: paged_attention time and achieved bandwidth (bytes of K/V read
    / time) against the GPU's peak memory bandwidth and a measured device
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cuda, graphs, ops, reference
+from kvkernels import cuda, graphs, ops, reference
 
 try:
     from tqdm import tqdm

@@ -1,6 +1,6 @@
 // Small per-row kernels: writing new K/V into pages, block summaries for the
 // cache-manager, and per-row eviction selection. DT (storage dtype) comes
-// from kernels/cuda.py; shapes are runtime arguments.
+// from kvkernels/cuda.py; shapes are runtime arguments.
 
 // Row i of k_new / v_new goes to (page[i], offset[i]). Rows naming a slot
 // outside the pool are dropped rather than written out of bounds: the
@@ -56,7 +56,7 @@ extern "C" __global__ void block_features(const T* __restrict__ k_pages,
 // rank among the row's evictable columns under the key (score, column), NaN
 // scores last (as torch.sort orders them); columns ranked below K are
 // written to their rank. O(NB^2 / threads) per row, which is cheap for the
-// NB of a decode step (kernels/cuda.py sends larger rows to torch.sort).
+// NB of a decode step (kvkernels/cuda.py sends larger rows to torch.sort).
 extern "C" __global__ void eviction_select(const float* __restrict__ scores,
                                            const unsigned char* __restrict__ evictable, int NB,
                                            int K, long long* __restrict__ cols) {

@@ -1,7 +1,7 @@
 """PyTorch references for the four kernel ops (docs/internals.md, "Kernel ops").
 
 They run on any device and are what CPU runs use; the CUDA kernels in
-`kernels/cuda.py` are tested against them. Everything is batched over
+`kvkernels/cuda.py` are tested against them. Everything is batched over
 sequences, heads and blocks: one call handles one layer's page tables.
 """
 from __future__ import annotations

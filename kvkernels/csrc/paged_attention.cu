@@ -1,6 +1,6 @@
 // Paged decode attention with per-block attention mass, in two kernels.
 //
-// Config (#defines from kernels/cuda.py): D head dim, BS block size, G query
+// Config (#defines from kvkernels/cuda.py): D head dim, BS block size, G query
 // heads per kv-head, GP = G rounded up to a power of two (LOG2GP = log2 GP),
 // NW warps per thread block, PT positions per tile (PT * DPL <= 32 bounds the
 // registers of the tile's K and V rows), DPL = ceil(D / 32)

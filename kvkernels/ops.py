@@ -10,14 +10,14 @@ import os
 
 import torch
 
-from kernels import reference
+from kvkernels import reference
 
 
 @functools.cache
 def _cuda_module():
-    """kernels.cuda if CuPy imports and sees a device, else None (cached)."""
+    """kvkernels.cuda if CuPy imports and sees a device, else None (cached)."""
     try:
-        from kernels import cuda
+        from kvkernels import cuda
     except ImportError:
         return None
     return cuda if cuda.available() else None

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check for kernels/: kernel-vs-reference tests, then the benchmark.
 #
-#   bash kernels/gpu_check.sh            # writes to ${OUT:-./gpu_out}
-#   BENCH_ARGS=--dry-run bash kernels/gpu_check.sh   # CPU smoke run of the same script
+#   bash kvkernels/gpu_check.sh            # writes to ${OUT:-./gpu_out}
+#   BENCH_ARGS=--dry-run bash kvkernels/gpu_check.sh   # CPU smoke run of the same script
 #
 # Needs only python with torch (CUDA build) and CuPy (`import cupy`, CUDA 12
 # or 13 build) plus this repository; installs nothing. pytest is used when
@@ -35,13 +35,13 @@ try:
           "devices", cupy.cuda.runtime.getDeviceCount())
 except Exception as e:
     print("cupy NOT usable:", type(e).__name__, e)
-from kernels import ops
+from kvkernels import ops
 print("kernels backend for a cuda tensor:",
       ops.backend_for(torch.empty(0, device="cuda")) if torch.cuda.is_available() else "n/a")
 PYEOF
 } 2>&1 | tee "$OUT/env.txt"
 
-if ! "$PY" -c "import torch, sys; from kernels import cuda; sys.exit(0 if cuda.available() else 1)"; then
+if ! "$PY" -c "import torch, sys; from kvkernels import cuda; sys.exit(0 if cuda.available() else 1)"; then
   echo "!! CUDA kernels unavailable (no CUDA device or CuPy): tests will skip, bench runs the references" | tee -a "$OUT/env.txt"
   status=2
 fi
@@ -58,7 +58,7 @@ echo "tests exit code: $rc" | tee -a "$OUT/tests.log"
 [ "$rc" -ne 0 ] && status=1
 
 echo "== (b) benchmark" | tee "$OUT/bench.log"
-timeout 360 "$PY" -m kernels.bench --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+timeout 360 "$PY" -m kvkernels.bench --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench exit code: $rc" | tee -a "$OUT/bench.log"
 [ "$rc" -ne 0 ] && status=1

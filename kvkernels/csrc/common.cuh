@@ -2,7 +2,7 @@
 // with no CUDA headers at all: the fp16/bf16 conversions are written out here
 // so the kernels build wherever CuPy imports, whatever toolkit is (not) installed.
 //
-// Compile-time configuration comes from #defines prepended by kernels/cuda.py:
+// Compile-time configuration comes from #defines prepended by kvkernels/cuda.py:
 //   DT  storage dtype of pages/queries: 0 = float32, 1 = float16, 2 = bfloat16
 
 typedef unsigned short u16;

@@ -2,8 +2,8 @@
 
 `with emulated(): cuda.paged_attention(...)` compiles each kernel module with
 g++ against csrc/host_emu.h (one coroutine per CUDA thread, warps synchronised
-at shuffles) and routes kernels/cuda.py's launches there, with CPU tensors.
-Everything else in kernels/cuda.py (configuration, splits, scratch buffers,
+at shuffles) and routes kvkernels/cuda.py's launches there, with CPU tensors.
+Everything else in kvkernels/cuda.py (configuration, splits, scratch buffers,
 argument packing) is the code that runs on a GPU. Slow; for tests only.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cuda
+from kvkernels import cuda
 
 _HEADER = Path(__file__).with_name("csrc") / "host_emu.h"
 _CTYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float}
@@ -89,7 +89,7 @@ def _launch(kind, defines, name, device, grid, block, args, shared_mem) -> None:
 
 @contextlib.contextmanager
 def emulated(sm_count: int = 8):
-    """Route kernels/cuda.py launches to the host build; `sm_count` stands in
+    """Route kvkernels/cuda.py launches to the host build; `sm_count` stands in
     for the GPU's multiprocessor count (it decides the attention splits)."""
     saved = cuda._launcher, cuda.sm_count
     cuda._launcher, cuda.sm_count = _launch, lambda device: sm_count

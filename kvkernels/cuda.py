@@ -1,6 +1,6 @@
 """CUDA kernels for the kernel ops (docs/internals.md), launched with CuPy.
 
-The sources live in `kernels/csrc/` and are compiled by NVRTC through
+The sources live in `kvkernels/csrc/` and are compiled by NVRTC through
 `cupy.RawModule`, one module per compile-time configuration (dtype, head dim,
 block size, group size), cached in-process and on disk by CuPy.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import reference
+from kvkernels import reference
 
 _CSRC = Path(__file__).with_name("csrc")
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -1,5 +1,5 @@
-// Host emulation of the CUDA subset that kernels/csrc uses, for CPU-only test
-// runs (kernels/emulate.py). A thread block runs as ucontext coroutines, one
+// Host emulation of the CUDA subset that kvkernels/csrc uses, for CPU-only test
+// runs (kvkernels/emulate.py). A thread block runs as ucontext coroutines, one
 // per thread; a warp synchronises at every shuffle (double-buffered slots),
 // the block at __syncthreads. A shuffle reached by only part of a warp, or a
 // barrier some threads skipped, aborts: those are real bugs on a GPU too.
