@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--requests", type=int, default=40, help="requests per side and repeat")
     x.add_argument("--system-len", type=int, default=512, help="shared system prompt (tokens)")
     x.add_argument("--user-len", type=int, default=16, help="distinct user turn (tokens)")
-    from kvpop import bench_learned, bench_serve
+    from kvpop import bench_grpc, bench_learned, bench_serve
+    bench_grpc.add_arguments(sub.add_parser(
+        "grpc", help="per-token cost of each hop: engine, asyncio, compute over gRPC, gateway"))
     bench_learned.add_arguments(sub.add_parser(
         "learned", help="cost of `learned` vs h2o through a running stack (TTFT, TPOT, others' ITL, plan time)"))
     bench_serve.add_arguments(sub.add_parser(
@@ -69,9 +71,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.bench in ("learned", "serve"):
-        from kvpop import bench_learned, bench_serve
-        return {"learned": bench_learned, "serve": bench_serve}[args.bench].run(args)
+    if args.bench in ("learned", "serve", "grpc"):
+        from kvpop import bench_grpc, bench_learned, bench_serve
+        return {"learned": bench_learned, "serve": bench_serve, "grpc": bench_grpc}[args.bench].run(args)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

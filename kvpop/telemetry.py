@@ -69,18 +69,26 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+SERVE_METHOD = "/kvpop.compute.v1.Compute/Serve"
+
+
 def server_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
+    # compute's Serve carries many requests for as long as a gateway lives: each
+    # request gets its own span there instead (services/compute/server.py).
     return [aio_server_interceptor(filter_=filters.negate(filters.any_of(
-        filters.service_prefix("grpc.health"), filters.service_prefix("grpc.reflection"))))]
+        filters.service_prefix("grpc.health"), filters.service_prefix("grpc.reflection"),
+        filters.full_method_name(SERVE_METHOD))))]
 
 
 def client_interceptors() -> list:
     from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 
-    # Health checks (the gateway probes compute several times a second) make no spans.
-    return list(aio_client_interceptors(filter_=filters.negate(filters.service_prefix("grpc.health"))))
+    # Health checks (the gateway probes compute several times a second) make no spans,
+    # nor does the long-lived Serve stream (its requests carry their trace context).
+    return list(aio_client_interceptors(filter_=filters.negate(filters.any_of(
+        filters.service_prefix("grpc.health"), filters.full_method_name(SERVE_METHOD)))))
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:

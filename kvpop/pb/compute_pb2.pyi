@@ -75,6 +75,43 @@ class ComputeResponse(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, response: _Optional[_Union[_generate_pb2.GenerateResponse, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ServeRequest(_message.Message):
+    __slots__ = ("start", "cancel", "timeout_s", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    start: ComputeRequest
+    cancel: str
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, start: _Optional[_Union[ComputeRequest, _Mapping]] = ..., cancel: _Optional[str] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ServeEvent(_message.Message):
+    __slots__ = ("request_id", "response", "status_code", "status_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: ComputeResponse
+    status_code: int
+    status_message: str
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[ComputeResponse, _Mapping]] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class ServeEvents(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[ServeEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[ServeEvent, _Mapping]]] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,6 +39,11 @@ class ComputeStub:
                 request_serializer=kvpop_dot_v1_dot_compute__pb2.ComputeRequest.SerializeToString,
                 response_deserializer=kvpop_dot_v1_dot_compute__pb2.ComputeResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.stream_stream(
+                '/kvpop.compute.v1.Compute/Serve',
+                request_serializer=kvpop_dot_v1_dot_compute__pb2.ServeRequest.SerializeToString,
+                response_deserializer=kvpop_dot_v1_dot_compute__pb2.ServeEvents.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/kvpop.compute.v1.Compute/Info',
                 request_serializer=kvpop_dot_v1_dot_compute__pb2.InfoRequest.SerializeToString,
@@ -50,7 +55,17 @@ class ComputeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One request, one stream (tools, direct callers).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Serve(self, request_iterator, context):
+        """Every request of one gateway on one stream, TGI style: what the engine
+        produced for all of them since the last message goes in one message, so
+        the per-message cost is paid per engine step, not per token and request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -68,6 +83,11 @@ def add_ComputeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvpop_dot_v1_dot_compute__pb2.ComputeRequest.FromString,
                     response_serializer=kvpop_dot_v1_dot_compute__pb2.ComputeResponse.SerializeToString,
+            ),
+            'Serve': grpc.stream_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=kvpop_dot_v1_dot_compute__pb2.ServeRequest.FromString,
+                    response_serializer=kvpop_dot_v1_dot_compute__pb2.ServeEvents.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -102,6 +122,33 @@ class Compute:
             '/kvpop.compute.v1.Compute/Generate',
             kvpop_dot_v1_dot_compute__pb2.ComputeRequest.SerializeToString,
             kvpop_dot_v1_dot_compute__pb2.ComputeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpop.compute.v1.Compute/Serve',
+            kvpop_dot_v1_dot_compute__pb2.ServeRequest.SerializeToString,
+            kvpop_dot_v1_dot_compute__pb2.ServeEvents.FromString,
             options,
             channel_credentials,
             insecure,

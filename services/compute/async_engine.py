@@ -44,9 +44,21 @@ class AsyncEngine:
                        sampling: SamplingParams | None = None,
                        eviction: EvictionParams | None = None,
                        session_id: str | None = None) -> AsyncIterator[StepOutput]:
-        """Stream one request. Closing the iterator early aborts it.
+        """Stream one request, output by output. Closing the iterator early aborts it.
         Raises ValueError for invalid parameters, EngineError if the engine failed.
         ``session_id``: as LLMEngine.add_request."""
+        async for batch in self.generate_batches(request_id, prompt_ids, sampling, eviction, session_id):
+            for out in batch:
+                yield out
+
+    async def generate_batches(self, request_id: str, prompt_ids: list[int],
+                               sampling: SamplingParams | None = None,
+                               eviction: EvictionParams | None = None,
+                               session_id: str | None = None) -> AsyncIterator[list[StepOutput]]:
+        """As ``generate``, but each item is every output that arrived since the
+        last one was taken: a consumer that falls behind the engine (many
+        streams on few cores) sends one message for several tokens instead of
+        paying the per-message cost on each, and never adds latency."""
         if self._stop:
             raise EngineError("the engine is shut down")
         if session_id is not None:
@@ -61,15 +73,22 @@ class AsyncEngine:
         self._wake.set()
         done = False
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                done = item.finished
-                yield item
-                if done:
-                    return
+            while not done:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        done = True
+                        if batch:
+                            yield batch
+                        raise item
+                    batch.append(item)
+                    if item.finished:
+                        done = True
+                        break
+                yield batch
         finally:
             with self._lock:
                 self._queues.pop(request_id, None)
@@ -122,15 +141,23 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ loop
     def _deliver(self, request_id: str, item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list) -> None:
+        """Hand (request id, output) pairs to their event loops: one wake-up per
+        loop and step, not one per output (each costs a syscall and a GIL
+        hand-over that the engine thread waits for)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         with self._lock:
-            target = self._queues.get(request_id)
-        if target is None:
-            return  # the client is gone
-        loop, queue = target
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:
-            pass  # its event loop is closed
+            for request_id, item in items:
+                target = self._queues.get(request_id)
+                if target is not None:          # None: the client is gone
+                    by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:
+                pass  # its event loop is closed
 
     def _loop(self) -> None:
         engine = self.engine
@@ -161,10 +188,14 @@ class AsyncEngine:
             if outputs is None:
                 self._wake.wait(0.5)
                 continue
+            self._deliver_all([(out.request_id, out) for out in outputs])
             if engine.idle:
                 # Every running sequence is held for its eviction plan: sleep until
                 # a plan arrives (on_plan) or the earliest wait runs out.
                 deadline = engine.next_plan_deadline()
                 self._wake.wait(0.05 if deadline is None else min(0.05, deadline + 1e-3))
-            for out in outputs:
-                self._deliver(out.request_id, out)
+
+
+def _put_all(puts: list) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)

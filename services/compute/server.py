@@ -32,6 +32,7 @@ from kvpop.metrics import EngineStatsRefresher, get_metrics
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 
 log = logging.getLogger(__name__)
+_tracer = telemetry.tracer(__name__)
 
 MAX_ROUND_EVENTS = 128   # span events per request; the span's attributes carry the totals
 HEALTH_ADVISOR = "kvpop.compute.advisor"
@@ -53,6 +54,18 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
     if dtype == "auto" and device == "cpu":
         return "float32"
     return dtype
+
+
+class Refusal(Exception):
+    """A request ends with this gRPC status (Generate aborts with it; Serve sends it as an event)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def _failed(request_id: str, code: grpc.StatusCode, details: str) -> compute_pb2.ServeEvent:
+    return compute_pb2.ServeEvent(request_id=request_id, status_code=code.value[0], status_message=details)
 
 
 class ComputeServicer(compute_pb2_grpc.ComputeServicer):
@@ -117,18 +130,90 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                                         advisor_connected=bool(self.advisor and self.advisor.connected))
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
+        try:
+            async for resp in self._one(request):
+                yield resp
+        except Refusal as e:
+            await context.abort(e.code, e.details)
+
+    async def Serve(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Many requests on one stream (the gateway's): each runs as its own task,
+        as a Generate call would; their responses are gathered into one
+        ServeEvents message per write, so N streams cost one message per step."""
+        outbox: asyncio.Queue = asyncio.Queue()
+        running: dict[str, asyncio.Task] = {}
+
+        async def run(start: compute_pb2.ComputeRequest, timeout: float, carrier) -> None:
+            rid = start.request_id
+            with _tracer.start_as_current_span("kvpop.compute.v1.Compute/Serve", context=telemetry.extract(carrier),
+                                               kind=trace.SpanKind.SERVER):
+                try:
+                    async with asyncio.timeout(timeout or None):
+                        async for resp in self._one(start):
+                            outbox.put_nowait(compute_pb2.ServeEvent(request_id=rid, response=resp))
+                except Refusal as e:
+                    outbox.put_nowait(_failed(rid, e.code, e.details))
+                except TimeoutError:
+                    outbox.put_nowait(_failed(rid, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
+                except Exception:   # noqa: BLE001 - one request's bug must not end the others' stream
+                    log.exception("request %s failed", rid)
+                    outbox.put_nowait(_failed(rid, grpc.StatusCode.INTERNAL, "compute failed on this request"))
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    if msg.HasField("start"):
+                        rid = msg.start.request_id
+                        if not rid or rid in running:
+                            outbox.put_nowait(_failed(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                                      f"request id {rid!r} is empty or already running on this stream"))
+                            continue
+                        task = asyncio.create_task(run(msg.start, msg.timeout_s, dict(msg.trace_context)))
+                        running[rid] = task
+                        task.add_done_callback(lambda t, rid=rid: ended(rid))
+                    elif msg.HasField("cancel") and msg.cancel in running:
+                        running[msg.cancel].cancel()
+            finally:
+                outbox.put_nowait(None)     # wake the writer: the stream may be over
+
+        def ended(rid: str) -> None:
+            running.pop(rid, None)
+            outbox.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                # None only wakes this loop up (a request or the reader ended).
+                events = [ev for ev in [await outbox.get()] if ev is not None]
+                while not outbox.empty():
+                    ev = outbox.get_nowait()
+                    if ev is not None:
+                        events.append(ev)
+                if events:
+                    yield compute_pb2.ServeEvents(events=events)
+                if reader.done() and not running:
+                    if not reader.cancelled() and reader.exception() is not None:
+                        raise reader.exception()
+                    return      # the gateway closed its side and every request has ended
+        finally:
+            reader.cancel()
+            for task in list(running.values()):
+                task.cancel()   # the gateway is gone: abort what it asked for
+
+    async def _one(self, request):
+        """One request's responses; raises Refusal for what Generate ends with a status."""
         if self.engine is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         refused = self._refusal(request)
         if refused is not None:
-            await context.abort(*refused)
+            raise Refusal(*refused)
         if self.open_streams >= self.cfg.max_streams:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"compute replica {self.replica_id} has {self.open_streams} streams open, its limit "
-                                f"(KVPOP_MAX_COMPUTE_STREAMS={self.cfg.max_streams})")
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"compute replica {self.replica_id} has {self.open_streams} streams open, its limit "
+                          f"(KVPOP_MAX_COMPUTE_STREAMS={self.cfg.max_streams})")
         self.open_streams += 1
         try:
-            async for resp in self._generate(request, context):
+            async for resp in self._generate(request):
                 yield resp
         finally:
             self.open_streams -= 1
@@ -146,7 +231,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     f"replica's limit (KVPOP_MAX_PROMPT_CHARS={cfg.max_prompt_chars})")
         return None
 
-    async def _generate(self, request, context: grpc.aio.ServicerContext):
+    async def _generate(self, request):
         from services.compute.async_engine import EngineError
         from services.compute.engine import EvictionParams, SamplingParams
         from services.compute.session_cache import SessionNotParked
@@ -161,23 +246,23 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         fresh = not sid or request.prompt_token_ids or history
         held = 0 if fresh else await asyncio.to_thread(self.engine.session_tokens, sid)
         if request.continue_session and not fresh and not held:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"session {sid!r} has no KV parked on replica {self.replica_id} "
                                 "(expired or dropped): re-prefill it from its history")
         if request.messages:
             if held or history:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages cannot continue a session")
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "messages cannot continue a session")
             try:
                 turn = eng.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
             except ValueError as e:     # no chat template, or the template refused the conversation
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         else:
             turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
                                                                          add_bos=not (held or history))
         ids = history + turn
         limit = eng.max_model_len
         if held + len(ids) >= limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"prompt is {len(ids)} tokens after a session context of {held}; "
                                 f"the model's max length is {limit}" if held else
                                 f"prompt is {len(ids)} tokens; the model's max length is {limit}")
@@ -204,72 +289,79 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         advised = self.advisor is not None and eviction.policy == "learned"
         if advised:
             self.advisor.set_context(rid, telemetry.inject())
-        stream = self.engine.generate(rid, ids, sampling, eviction, session_id=sid)
+        stream = self.engine.generate_batches(rid, ids, sampling, eviction, session_id=sid)
         first = True
         timer = get_metrics().request()
         events = 0
         try:
-            async for out in stream:
-                for r in out.rounds:
-                    # Bounded: a long token-level stream has a round per token.
-                    if events < MAX_ROUND_EVENTS:
-                        span.add_event("eviction_round", r)
-                    events += 1
-                if out.token_id is not None:
-                    timer.token()
-                if out.finished:
-                    timer.finish(out.finish_reason or "")
+            # One message per batch of outputs: when this loop lags the engine
+            # (many streams), several tokens share one message instead of each
+            # paying for a message of its own.
+            async for batch in stream:
                 resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
                 if first:
                     resp.prompt_token_ids.extend(turn)
                     first = False
+                chunk, text, last = resp.response.chunk, [], batch[-1]
+                for out in batch:
+                    for r in out.rounds:
+                        # Bounded: a long token-level stream has a round per token.
+                        if events < MAX_ROUND_EVENTS:
+                            span.add_event("eviction_round", r)
+                        events += 1
+                    if out.token_id is not None:
+                        timer.token()
+                        chunk.token_ids.append(out.token_id)
+                        if s.logprobs and out.logprob is not None:
+                            chunk.logprobs.append(float(out.logprob))
+                    text.append(out.text_delta)
+                chunk.text = "".join(text)
+                if not chunk.token_ids and not chunk.text:
+                    resp.response.ClearField("chunk")
+                if not last.finished:
+                    yield resp
+                    continue
+                timer.finish(last.finish_reason or "")
+                if resp.response.HasField("chunk"):
+                    yield resp
+                    resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
+                if last.finish_reason == "error":
+                    raise Refusal(grpc.StatusCode.INTERNAL, "the engine failed on this request")
                 r = resp.response
-                if out.token_id is not None or out.text_delta:
-                    r.chunk.token_ids.extend([] if out.token_id is None else [out.token_id])
-                    r.chunk.text = out.text_delta
-                    if s.logprobs and out.logprob is not None:
-                        r.chunk.logprobs.append(float(out.logprob))
-                    if out.finished:
-                        yield resp
-                        resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
-                        r = resp.response
-                if out.finished:
-                    if out.finish_reason == "error":
-                        await context.abort(grpc.StatusCode.INTERNAL, "the engine failed on this request")
-                    reason = out.finish_reason or ""
-                    if reason == "stop" and out.token_id in eng.eos_ids and not s.ignore_eos:
-                        reason = "eos"
-                    r.finished.finish_reason = _FINISH.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
-                    r.finished.finish_reason_text = reason
-                    u = out.usage
-                    if u is not None:
-                        r.finished.usage.CopyFrom(generate_pb2.Usage(
-                            prompt_tokens=u.prompt_tokens - len(history), completion_tokens=u.completion_tokens,
-                            kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
-                            policy=u.policy, fallback_evictions=u.fallback_evictions,
-                            session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history),
-                            network_evictions=u.network_evictions,
-                            advisor_heuristic_evictions=u.advisor_heuristic_evictions,
-                            fallback_reasons=u.fallback_reasons))
-                        span.set_attribute("kvpop.eviction_rounds", events)
-                        span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
-                        if u.policy == "learned":
-                            span.set_attribute("kvpop.network_evictions", u.network_evictions)
-                            span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)
+                reason = last.finish_reason or ""
+                if reason == "stop" and last.token_id in eng.eos_ids and not s.ignore_eos:
+                    reason = "eos"
+                r.finished.finish_reason = _FINISH.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
+                r.finished.finish_reason_text = reason
+                u = last.usage
+                if u is not None:
+                    r.finished.usage.CopyFrom(generate_pb2.Usage(
+                        prompt_tokens=u.prompt_tokens - len(history), completion_tokens=u.completion_tokens,
+                        kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
+                        policy=u.policy, fallback_evictions=u.fallback_evictions,
+                        session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history),
+                        network_evictions=u.network_evictions,
+                        advisor_heuristic_evictions=u.advisor_heuristic_evictions,
+                        fallback_reasons=u.fallback_reasons))
+                    span.set_attribute("kvpop.eviction_rounds", events)
+                    span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
+                    if u.policy == "learned":
+                        span.set_attribute("kvpop.network_evictions", u.network_evictions)
+                        span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)
                 yield resp
         except SessionNotParked as e:
             timer.fail("FAILED_PRECONDITION")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{e} (replica {self.replica_id}): re-prefill it from its history")
         except ValueError as e:
             code = grpc.StatusCode.ALREADY_EXISTS if "already running" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
             timer.fail(code.name)
-            await context.abort(code, str(e))
+            raise Refusal(code, str(e))
         except EngineError as e:
             # Shutting down: try elsewhere (UNAVAILABLE); a failed step is this server's fault (INTERNAL).
             code = grpc.StatusCode.UNAVAILABLE if "shut" in str(e) else grpc.StatusCode.INTERNAL
             timer.fail(code.name)
-            await context.abort(code, str(e))
+            raise Refusal(code, str(e))
         finally:
             timer.fail("cancelled")     # no-op when the stream finished
             # Closing the engine stream early aborts the sequence (pages freed next step).

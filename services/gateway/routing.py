@@ -40,6 +40,7 @@ from kvpop import security, telemetry
 from kvpop.pb import compute_pb2_grpc
 from kvpop.redis_client import RedisUnavailable
 from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry, choose
+from services.gateway.compute_mux import ComputeMux
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Target:
     replica_id: str       # the registry id, or "static" for the configured address
     address: str
     stub: compute_pb2_grpc.ComputeStub
+    mux: ComputeMux       # this gateway's requests to the replica, on one stream
 
 
 class Router:
@@ -69,7 +71,7 @@ class Router:
         self.registry = registry
         self.inflight: Counter[str] = Counter()
         self._open_streams: Counter[str] = Counter()   # by address
-        self._channels: dict[str, tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub]] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, compute_pb2_grpc.ComputeStub, ComputeMux]] = {}
         self._last_known: list[Replica] = []
         self._fresh_until = 0.0     # monotonic time until which _last_known is reused
         self.refresh_s = registry.interval_s / 10 if registry is not None else 0.0
@@ -80,8 +82,13 @@ class Router:
         if address not in self._channels:
             ch = security.aio_channel(address, options=CHANNEL_OPTIONS,
                                       interceptors=telemetry.client_interceptors())
-            self._channels[address] = (ch, compute_pb2_grpc.ComputeStub(ch))
+            stub = compute_pb2_grpc.ComputeStub(ch)
+            self._channels[address] = (ch, stub, ComputeMux(stub))
         return self._channels[address][1]
+
+    def target(self, replica_id: str, address: str) -> Target:
+        stub = self.stub(address)
+        return Target(replica_id, address, stub, self._channels[address][2])
 
     async def candidates(self) -> dict[str, str]:
         """address -> replica id of every replica a request could go to now."""
@@ -108,7 +115,7 @@ class Router:
         return serving
 
     def _static(self) -> Target:
-        return Target(self.STATIC, self.static_address, self.stub(self.static_address))
+        return self.target(self.STATIC, self.static_address)
 
     async def pick(self, session_replica: str | None = None,
                    exclude: frozenset[str] | set[str] = frozenset()) -> Target:
@@ -119,7 +126,7 @@ class Router:
             live = [r for r in live if r.address not in self.down] or live
             if live:
                 chosen = choose(live, session_replica, self.inflight)
-                return Target(chosen.id, chosen.address, self.stub(chosen.address))
+                return self.target(chosen.id, chosen.address)
         if self.STATIC in exclude:
             raise NoReplicaAvailable("no compute replica left to try")
         return self._static()
@@ -143,7 +150,8 @@ class Router:
         """Close channels to replicas that left the registry once no stream uses them."""
         keep = live | {self.static_address} | set(self._open_streams)
         for address in [a for a in self._channels if a not in keep]:
-            channel, _ = self._channels.pop(address)
+            channel, _, mux = self._channels.pop(address)
+            await mux.close()
             await channel.close()
 
     @contextlib.contextmanager
@@ -187,7 +195,8 @@ class Router:
         return RoutedStream(self, request, timeout, session_replica, exclude, pinned)
 
     async def close(self) -> None:
-        for ch, _ in self._channels.values():
+        for ch, _, mux in self._channels.values():
+            await mux.close()
             await ch.close()
         self._channels.clear()
 
@@ -222,7 +231,7 @@ class RoutedStream:
         while True:
             self.target = target = self.pinned or await self.router.pick(self.session_replica, set(self.tried))
             timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-            call = target.stub.Generate(self.request, timeout=timeout)
+            call = target.mux.open(self.request, timeout)
             try:
                 with self.router.track(target):
                     async for resp in call:
