@@ -179,29 +179,37 @@ def _engine_generate(engine, prompts: list[list[int]]):
     return [ids[i] for i in ids], torch.stack([torch.stack(logits[i]) for i in logits])
 
 
-def _check(ours, theirs, label: str) -> float:
+def _check(ours, theirs, label: str, atol: float = LOGIT_ATOL) -> float:
     (our_ids, our_logits), (hf_ids, hf_logits) = ours, theirs
     for i, (a, b) in enumerate(zip(our_ids, hf_ids)):
         assert len(a) == NEW_TOKENS and a == b, (label, i, a, b)
     diff = (our_logits - hf_logits).abs().max().item()
     print(f"\nSmolLM2 parity, {label}: {len(our_ids)} prompts x {NEW_TOKENS} tokens identical, "
           f"max |logit diff| {diff:.3g}")
-    assert diff <= LOGIT_ATOL, (label, diff)
+    assert diff <= atol, (label, diff, atol)
     return diff
 
 
 @pytest.mark.timeout(1200)
 def test_greedy_parity_with_transformers(engine, reference, prompt_ids):
-    """All 20 prompts batched on both sides (as served; measured max |diff| 7e-5,
-    the rounding of different batch shapes), then four of them one at a time, as
-    transformers runs a single prompt: there the logits are equal (measured 0.0)."""
+    """Four prompts one at a time, as transformers runs a single prompt: logits
+    equal to 1e-4 (measured 0.0). Then all 20 batched on both sides, as served:
+    there both sides round differently with the batch's shape (transformers
+    pads, we pack), so the bar is 1e-4 or twice what batching moves
+    transformers' own logits on the four prompts, whichever is larger
+    (measured: ours vs theirs 7e-5 to 1.1e-4 across transformers releases)."""
     t0 = time.perf_counter()
-    _check(_engine_generate(engine, prompt_ids), _hf_generate(reference, prompt_ids), "batched")
+    alone = [0, 8, 14, 19]        # plain, code, two chats
+    theirs_alone = {}
+    for i in alone:
+        theirs_alone[i] = _hf_generate(reference, [prompt_ids[i]])
+        _check(_engine_generate(engine, [prompt_ids[i]]), theirs_alone[i], f"prompt {i} alone")
     t1 = time.perf_counter()
-    for i in (0, 8, 14, 19):        # plain, code, two chats
-        _check(_engine_generate(engine, [prompt_ids[i]]), _hf_generate(reference, [prompt_ids[i]]),
-               f"prompt {i} alone")
-    print(f"batched {t1 - t0:.1f}s, four alone {time.perf_counter() - t1:.1f}s")
+    theirs = _hf_generate(reference, prompt_ids)
+    own_shift = max((theirs[1][i] - theirs_alone[i][1][0]).abs().max().item() for i in alone)
+    print(f"\ntransformers batched vs alone: max |logit diff| {own_shift:.3g}")
+    _check(_engine_generate(engine, prompt_ids), theirs, "batched", atol=max(LOGIT_ATOL, 2 * own_shift))
+    print(f"four alone {t1 - t0:.1f}s, batched {time.perf_counter() - t1:.1f}s")
 
 
 def _sanitizing(hf_tok) -> bool:
