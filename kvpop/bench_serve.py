@@ -39,7 +39,10 @@ def add_arguments(p) -> None:
                    help="model folder for the stack it starts, or a fetched name (smollm2-135m)")
     p.add_argument("--via", metavar="HOST:PORT", help="a running gateway instead of starting a stack")
     p.add_argument("--compute", metavar="HOST:PORT", help="with --via: compute, for pool and running peaks")
-    p.add_argument("--policies", default="dense,learned")
+    p.add_argument("--policies", default="dense,learned",
+                   help="policies served by the stack; `hf` adds Hugging Face generate() on static batches "
+                        "of what has arrived, in this process (needs transformers)")
+    p.add_argument("--hf-max-batch", type=int, default=16, help="largest static batch of the `hf` baseline")
     p.add_argument("--budget", type=float, default=0.125, help="budget fraction of non-dense policies (0.125: 87.5%%)")
     p.add_argument("--rates", default="4,inf", help="offered requests/s, comma-separated; inf = all at once")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
@@ -166,10 +169,16 @@ def run(args) -> int:
             stub = generate_pb2_grpc.KVpopStub(ch)
             # Warm both paths (first calls are slow), not measured.
             for pol in policies:
-                Stream(stub, request(generate_pb2, insts[0].prompt, pol, args.budget, 4)).start().thread.join()
+                if pol != "hf":
+                    Stream(stub, request(generate_pb2, insts[0].prompt, pol, args.budget, 4)).start().thread.join()
             bar = tqdm(total=len(policies) * len(rates) * len(insts), desc="bench serve", dynamic_ncols=True)
             for rate in rates:
                 for pol in policies:
+                    if pol == "hf":
+                        from kvpop.hf_baseline import run_hf
+                        rows.append(run_hf(args.model, insts, rate, args.seed, bar, args.new_tokens,
+                                           args.hf_max_batch))
+                        continue
                     rows.append(run_one(stub, generate_pb2, insts, pol, args.budget, rate, compute,
                                         args.seed, bar, args.sink, args.recent, args.new_tokens,
                                         security=stack.security() if stack is not None else None))
@@ -185,7 +194,7 @@ def run(args) -> int:
 def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
     top = "inf" if not math.isfinite(max(rates)) else max(rates)
     at = {r["policy"]: r for r in rows if r["rate"] == top}
-    other = next((p for p in policies if p != "dense"), None)
+    other = next((p for p in policies if p not in ("dense", "hf")), None)
     out = {"rate": top, "policies": policies}
     if "dense" in at and other in at:
         d, o = at["dense"], at[other]
@@ -195,6 +204,12 @@ def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
                    concurrency_ratio=round(o["peak_running"] / d["peak_running"], 3) if d["peak_running"] else None,
                    p99_ttft_ratio=round(o["ttft_p99_ms"] / d["ttft_p99_ms"], 3) if d["ttft_p99_ms"] else None,
                    accuracy={"dense": d["accuracy"], other: o["accuracy"]})
+    if "dense" in at and "hf" in at and at["hf"]["output_tokens_per_s"]:
+        # Comparison 4: the served engine, dense, over transformers' static batches of the same arrivals.
+        out["served_dense_over_hf"] = {
+            "throughput_ratio": round(at["dense"]["output_tokens_per_s"] / at["hf"]["output_tokens_per_s"], 3),
+            "ttft_p50_ratio": round(at["dense"]["ttft_p50_ms"] / at["hf"]["ttft_p50_ms"], 3)
+            if at["hf"]["ttft_p50_ms"] else None}
     return out
 
 

@@ -30,3 +30,18 @@ def test_bench_serve_quick_writes_results_and_summary(tmp_path):
     assert learned["peak_pages"] < dense["peak_pages"], (learned, dense)   # the budget holds less KV
     assert summary["throughput_ratio"] > 0 and summary["concurrency_ratio"] > 0, summary
     assert (out / "throughput.png").is_file() and (out / "latency_cdf.png").is_file()
+
+
+def test_bench_serve_hf_baseline_gives_the_same_answers(tmp_path):
+    # Comparison 4's baseline: transformers generate() on static batches of the same arrivals.
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    args = p.parse_args(["--quick", "--policies", "dense,hf", "--out", str(tmp_path / "hf")])
+    assert bench_serve.run(args) == 0
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "hf" / "results.json").read_text())["rows"]}
+    hf, dense = rows["hf"], rows["dense"]
+    assert hf["errors"] == 0 and hf["requests"] == 8 and hf["output_tokens_per_s"] > 0, hf
+    assert 1 <= hf["peak_running"] <= 8 and hf["ttft_p50_ms"] > 0, hf
+    assert hf["accuracy"] == dense["accuracy"], (hf, dense)     # greedy on both sides: the same answers
+    summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
+    assert summary["served_dense_over_hf"]["throughput_ratio"] > 0, summary

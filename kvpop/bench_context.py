@@ -1,0 +1,145 @@
+"""`kvpop bench context`: KV memory and decode speed of one sequence as its
+context grows, dense vs a fixed budget, in one run.
+
+For each context length (default 512 to 8,192 tokens of the model's own
+text-like prompt: random token ids of the vocabulary's ordinary range), one
+sequence is prefilled and decodes `--new-tokens` greedily (EOS ignored), first
+dense, then with `--policy` at a budget of `--budget-tokens` per (layer,
+kv-head). Reported per (length, policy): KV bytes held at the end and the peak
+during the run (the pool's own accounting: pages x page bytes), prefill time,
+and decode tokens/s. Dense KV grows linearly with the context; a budgeted
+sequence's stays flat, and so does its per-token attention cost.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from kvpop.model_store import model_arg
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m", type=model_arg,
+                   help="model folder or a fetched name (default: smollm2-135m; `kvpop fetch-model` first)")
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="context lengths (prompt tokens)")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--policy", default="h2o")
+    p.add_argument("--budget-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+
+
+def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict:
+    from services.compute.engine import SamplingParams
+
+    engine.add_request(tag, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), eviction)
+    stamps, peak, usage = [], 0, None
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.token_id is not None:
+                stamps.append(time.perf_counter())
+            if out.finished:
+                usage = out.usage
+        peak = max(peak, engine.pool.num_used)
+    decode = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return {"prefill_s": stamps[0] - t0, "decode_tok_s": 1.0 / decode if decode else float("nan"),
+            "resident_blocks": usage.kv_blocks_resident, "evicted_blocks": usage.kv_blocks_evicted,
+            "peak_pages": peak}
+
+
+def bench(args) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine
+    from services.compute.kv_pool import KVPool
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    longest = max(lengths) + args.new_tokens
+    if longest > cfg.get("max_position_embeddings", longest):
+        raise ValueError(f"{max(lengths)} tokens + {args.new_tokens} new is past the model's "
+                         f"{cfg['max_position_embeddings']} positions")
+    rows_of = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    pages = rows_of * (longest // args.block_size + 2) + 64
+    engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
+                                    num_pages=pages, max_num_seqs=2, max_model_len=longest + args.block_size))
+    page = KVPool.page_bytes(args.block_size, engine.model.config.head_dim, engine.model.dtype)
+    g = torch.Generator().manual_seed(args.seed)
+    # Ordinary ids only (no specials at the low end), as text would give.
+    lo, hi = 256, cfg["vocab_size"] - 1
+    rows = []
+    _one(engine, torch.randint(lo, hi, (64,), generator=g).tolist(), 4, EvictionParams("dense"), "warmup")
+    runs = [(n, pol) for n in lengths for pol in ("dense", args.policy)]
+    for n, pol in tqdm(runs, desc="bench context", unit="run"):
+        prompt = torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
+        ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget_tokens)
+        r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}")
+        rows.append({"length": n, "policy": pol, "kv_bytes_at_end": r["resident_blocks"] * page,
+                     "peak_kv_bytes": r["peak_pages"] * page, **r})
+    for n in lengths:
+        d = next(r for r in rows if r["length"] == n and r["policy"] == "dense")
+        b = next(r for r in rows if r["length"] == n and r["policy"] != "dense")
+        b["kv_vs_dense"] = b["kv_bytes_at_end"] / d["kv_bytes_at_end"]
+        b["decode_speedup"] = b["decode_tok_s"] / d["decode_tok_s"]
+    return {"command": "kvpop bench context", "model": str(args.model), "policy": args.policy,
+            "budget_tokens": args.budget_tokens, "block_size": args.block_size, "new_tokens": args.new_tokens,
+            "threads": torch.get_num_threads(), "rows": rows}
+
+
+def print_table(res: dict) -> None:
+    print(f"\none sequence, {res['new_tokens']} new tokens; {res['policy']} at {res['budget_tokens']} tokens "
+          f"per (layer, kv-head), block size {res['block_size']}")
+    print("| context | policy | KV held at end (MiB) | peak KV (MiB) | prefill s | decode tok/s | KV vs dense | decode vs dense |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    mib = 1 / 2**20
+    for r in res["rows"]:
+        print(f"| {r['length']} | {r['policy']} | {r['kv_bytes_at_end'] * mib:.1f} | {r['peak_kv_bytes'] * mib:.1f} | "
+              f"{r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
+              f"{r.get('kv_vs_dense', 1.0):.3f}x | {r.get('decode_speedup', 1.0):.2f}x |")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for pol in dict.fromkeys(r["policy"] for r in res["rows"]):
+        rs = [r for r in res["rows"] if r["policy"] == pol]
+        label = pol if pol == "dense" else f"{pol} @ {res['budget_tokens']} tokens"
+        axes[0].plot([r["length"] for r in rs], [r["kv_bytes_at_end"] / 2**20 for r in rs], marker="o", label=label)
+        axes[1].plot([r["length"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
+    for ax, title in ((axes[0], "KV held per sequence (MiB)"), (axes[1], "decode tokens/s, one sequence")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title, fontsize=10)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    try:
+        res = bench(args)
+    except ValueError as e:
+        print(f"kvpop bench context: error: {e}")
+        return 2
+    print_table(res)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2))
+        print(f"results: {args.json}")
+    if args.plot:
+        plot(res, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
