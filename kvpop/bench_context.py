@@ -1,9 +1,9 @@
 """`kvpop bench context`: KV memory and decode speed of one sequence as its
 context grows, dense vs a fixed budget, in one run.
 
-For each context length (default 512 to 8,192 tokens of the model's own
-text-like prompt: random token ids of the vocabulary's ordinary range), one
-sequence is prefilled and decodes `--new-tokens` greedily (EOS ignored), first
+For each context length (default 512 to 8,192 tokens at the end of the run:
+a prompt of random ids from the vocabulary's ordinary range, then
+`--new-tokens` decoded greedily, EOS ignored), one sequence runs, first
 dense, then with `--policy` at a budget of `--budget-tokens` per (layer,
 kv-head). Reported per (length, policy): KV bytes held at the end and the peak
 during the run (the pool's own accounting: pages x page bytes), prefill time,
@@ -23,7 +23,8 @@ from kvpop.model_store import model_arg
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", type=model_arg,
                    help="model folder or a fetched name (default: smollm2-135m; `kvpop fetch-model` first)")
-    p.add_argument("--lengths", default="512,1024,2048,4096,8192", help="context lengths (prompt tokens)")
+    p.add_argument("--lengths", default="512,1024,2048,4096,8192",
+                   help="context lengths at the end of each run (prompt + new tokens)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--policy", default="h2o")
     p.add_argument("--budget-tokens", type=int, default=512)
@@ -64,10 +65,12 @@ def bench(args) -> dict:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     cfg = json.loads((Path(args.model) / "config.json").read_text())
-    longest = max(lengths) + args.new_tokens
+    longest = max(lengths)
     if longest > cfg.get("max_position_embeddings", longest):
-        raise ValueError(f"{max(lengths)} tokens + {args.new_tokens} new is past the model's "
+        raise ValueError(f"a context of {longest} tokens is past the model's "
                          f"{cfg['max_position_embeddings']} positions")
+    if min(lengths) <= args.new_tokens:
+        raise ValueError(f"every length must be more than --new-tokens ({args.new_tokens})")
     rows_of = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     pages = rows_of * (longest // args.block_size + 2) + 64
     engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
@@ -80,7 +83,7 @@ def bench(args) -> dict:
     _one(engine, torch.randint(lo, hi, (64,), generator=g).tolist(), 4, EvictionParams("dense"), "warmup")
     runs = [(n, pol) for n in lengths for pol in ("dense", args.policy)]
     for n, pol in tqdm(runs, desc="bench context", unit="run"):
-        prompt = torch.randint(lo, hi, (n,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
+        prompt = torch.randint(lo, hi, (n - args.new_tokens,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
         ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget_tokens)
         r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}")
         rows.append({"length": n, "policy": pol, "kv_bytes_at_end": r["resident_blocks"] * page,
