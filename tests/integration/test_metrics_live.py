@@ -9,6 +9,7 @@ import urllib.request
 
 import grpc
 
+from helpers_common import collect
 from stack_helpers import compute_info, wait_until
 from kvpop.pb import generate_pb2
 
@@ -57,3 +58,51 @@ def test_every_client_cancel_counted_once(stack, gateway, compute):
     wait_until(lambda: value(scrape(stack, "gateway"), CANCELLED) - before >= CANCELS, 10, "the cancels to count")
     assert value(scrape(stack, "gateway"), CANCELLED) - before == CANCELS
     assert value(scrape(stack, "gateway"), "kvpop_requests_in_flight") == 0
+
+
+def test_scrape_shows_the_moment_it_is_made(stack, gateway):
+    """Right after a stream's final message, the very next scrape of the
+    gateway and of compute counts its tokens: no refresh period to wait out."""
+    before = {s: value(scrape(stack, s), "kvpop_generation_tokens_total") for s in ("gateway", "compute")}
+    for n in (5, 9):
+        _, _, final = collect(gateway.Generate(request(prompt=f"scrape {n}", max_tokens=n, ignore_eos=True,
+                                                       policy="dense"), timeout=60))
+        assert final.usage.completion_tokens == n
+        for s in ("gateway", "compute"):
+            now = value(scrape(stack, s), "kvpop_generation_tokens_total")
+            assert now - before[s] == n, (s, now - before[s], n)
+            before[s] = now
+
+
+PLANS = ("kvpop_eviction_plans_received_total", "kvpop_eviction_plans_applied_total",
+         "kvpop_eviction_plans_late_total", "kvpop_eviction_plans_dropped_total",
+         "kvpop_eviction_plan_latency_seconds_count")
+
+
+def test_eviction_plans_counted_on_both_sides(stack, gateway, compute):
+    """A learned stream over its budget: the cache-manager sends plans, compute
+    receives every one of them, times each, and evicts with them; every plan
+    received is applied, late, dropped or was the sequence's last."""
+    wait_until(lambda: compute_info(compute).advisor_connected, 20, "compute to reach the cache-manager")
+    c0 = {m: value(scrape(stack, "compute"), m) for m in PLANS}
+    sent0 = value(scrape(stack, "cache-manager"), "kvpop_eviction_plans_sent_total")
+    scored0 = value(scrape(stack, "cache-manager"), "kvpop_scoring_latency_seconds_count")
+    _, _, final = collect(gateway.Generate(request(prompt="plans", max_tokens=200, ignore_eos=True,
+                                                   policy="learned", budget_tokens=64), timeout=120))
+    assert final.usage.kv_blocks_evicted > 0
+
+    def moved() -> dict:
+        text = scrape(stack, "compute")
+        return {m: value(text, m) - c0[m] for m in PLANS}
+    # The sequence is gone once its final message is out; a plan still on the wire then counts as dropped.
+    sent = wait_until(lambda: (n := value(scrape(stack, "cache-manager"), "kvpop_eviction_plans_sent_total")
+                               - sent0) == moved()["kvpop_eviction_plans_received_total"] and n, 10,
+                      "compute to receive every plan the cache-manager sent")
+    d = moved()
+    assert sent > 0 and d["kvpop_eviction_plans_applied_total"] > 0, d
+    assert value(scrape(stack, "cache-manager"), "kvpop_scoring_latency_seconds_count") - scored0 == sent
+    # Each received plan is answered to some features (a plan for a re-sent stream may not be timed).
+    assert 0 < d["kvpop_eviction_plan_latency_seconds_count"] <= sent, d
+    settled = (d["kvpop_eviction_plans_applied_total"] + d["kvpop_eviction_plans_late_total"]
+               + d["kvpop_eviction_plans_dropped_total"])
+    assert settled <= sent, d

@@ -177,3 +177,38 @@ def test_refresher_polls_stats_in_the_background():
 def test_process_registry_is_a_singleton():
     assert get_metrics() is get_metrics()
     assert get_metrics().registry.get_sample_value("kvpop_requests_in_flight") is not None
+
+
+def test_scrape_reads_engine_stats_at_that_moment():
+    """Each scrape shows the engine as it is then (no periodic copy to wait
+    for); a stuck engine makes the scrape answer late with its last values,
+    never hang; plan counters advance by deltas like the others."""
+    import threading
+
+    m = Metrics(process_collectors=False)
+    state = {"generated_tokens": 0, "pages_used": 0, "plans_applied": 0, "plans_late": {}}
+    stuck = threading.Event()
+
+    def stats():
+        if stuck.is_set():
+            time.sleep(3)       # an engine step that does not end
+        return dict(state)
+    m.refresh_engine_on_scrape(stats, timeout_s=0.5)
+    server = start_metrics_server(0, metrics=m)
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    try:
+        for n in (1, 5, 6):
+            state.update(generated_tokens=n, pages_used=2 * n, plans_applied=n, plans_late={"stale": n - 1})
+            samples, declared = scrape(url)
+            assert samples["kvpop_generation_tokens_total"] == n and samples["kvpop_kv_pool_pages_used"] == 2 * n
+            assert samples["kvpop_eviction_plans_applied_total"] == n
+            assert samples["kvpop_eviction_plans_late_total{reason=stale}"] == n - 1
+        assert {"kvpop_eviction_plans_received_total", "kvpop_eviction_plans_dropped_total",
+                "kvpop_eviction_plan_latency_seconds", "kvpop_eviction_plans_sent_total"} <= declared
+        stuck.set()
+        state["generated_tokens"] = 99
+        t0 = time.monotonic()
+        samples, _ = scrape(url)
+        assert time.monotonic() - t0 < 2.5 and samples["kvpop_generation_tokens_total"] == 6
+    finally:
+        server.close()
