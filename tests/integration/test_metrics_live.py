@@ -40,6 +40,7 @@ def test_every_client_cancel_counted_once(stack, gateway, compute):
     streaming), half plain; half are cancelled before their first token, half
     mid-stream; all from several threads at once, as clients do."""
     before = value(scrape(stack, "gateway"), CANCELLED)
+    compute_before = value(scrape(stack, "compute"), CANCELLED)
     sid = f"cancels-{secrets.token_hex(3)}"
     calls = [gateway.Generate(request(prompt=f"cancel {i}", max_tokens=2000, ignore_eos=True, policy="h2o",
                                       budget_tokens=64, session_id=f"{sid}-{i}" if i % 2 else ""), timeout=120)
@@ -58,6 +59,8 @@ def test_every_client_cancel_counted_once(stack, gateway, compute):
     wait_until(lambda: value(scrape(stack, "gateway"), CANCELLED) - before >= CANCELS, 10, "the cancels to count")
     assert value(scrape(stack, "gateway"), CANCELLED) - before == CANCELS
     assert value(scrape(stack, "gateway"), "kvpop_requests_in_flight") == 0
+    # Compute sees each as the gateway's call to it cancelled: counted once there too.
+    assert value(scrape(stack, "compute"), CANCELLED) - compute_before == CANCELS
 
 
 def test_scrape_shows_the_moment_it_is_made(stack, gateway):
