@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import threading
 import time
@@ -339,13 +340,17 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
                          metrics: Metrics | None = None,
                          service: str | None = None, version: str = "",
                          live: Callable[[], bool] | None = None,
-                         details: Callable[[], Mapping[str, bool]] | None = None) -> MetricsServer:
+                         details: Callable[[], Mapping[str, bool]] | None = None,
+                         token: str | None = None) -> MetricsServer:
     """Serve `metrics` (default: the process's) on host:port (0 = any free port).
 
     ready: readiness probe for `/healthz`; None means "ready while the process
     runs" (liveness only). An exception inside it counts as not ready.
     live: liveness probe for `/livez` (None: alive while this thread answers).
-    details: health name -> serving, listed in the body of `/healthz`."""
+    details: health name -> serving, listed in the body of `/healthz`.
+    token: `/metrics` then needs `Authorization: Bearer <token>` (401 without);
+    the probes stay open, as grpc.health.v1 does, so orchestrators need no secret."""
+    expected = f"Bearer {token}".encode() if token else None
     m = metrics or get_metrics()
     if service:
         if not version:
@@ -360,6 +365,16 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
         def do_GET(self) -> None:  # noqa: N802 — http.server's naming
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
+                if expected is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", "").encode(), expected):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Bearer realm="kvpop metrics"')
+                    body = b"unauthorized: /metrics needs the bearer token (KVPOP_METRICS_TOKEN)\n"
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 body, content_type = m.exposition(self.headers.get("Accept"))
                 self._send(200, body, content_type)
             elif path in ("/healthz", "/livez"):
