@@ -68,6 +68,10 @@ class ServerConfig:
     reflection: str = setting("KVPOP_REFLECTION", "auto", "serve gRPC server reflection: on, off, or auto "
                               "(= on for the public gateway, off for compute and the cache-manager)",
                               _on_off_auto)
+    metrics_host: str = setting("KVPOP_METRICS_HOST", "", "address the /metrics HTTP server binds "
+                                "('' = KVPOP_HOST; 127.0.0.1 keeps it on loopback while gRPC is exposed)")
+    metrics_token: str = setting("KVPOP_METRICS_TOKEN", "", "when set, /metrics answers 401 unless the "
+                                 "request has 'Authorization: Bearer <token>' (/healthz and /livez stay open)")
 
     def validate(self) -> None:
         if not -1 <= getattr(self, "metrics_port", -1) < 65536:

@@ -162,12 +162,15 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
     if mport >= 0:
         from kvpop.metrics import start_metrics_server
 
+        mhost = cfg.metrics_host or cfg.host
         try:
-            metrics_server = start_metrics_server(mport, cfg.host, ready=service.ready, service=name,
-                                                  live=service.live, details=lambda: dict(service.status))
+            metrics_server = start_metrics_server(mport, mhost, ready=service.ready, service=name,
+                                                  live=service.live, details=lambda: dict(service.status),
+                                                  token=cfg.metrics_token or None)
         except OSError as e:
-            raise RuntimeError(f"{name}: cannot serve metrics on {cfg.host}:{mport}: {e}") from None
-        log.info("%s metrics on http://%s:%d/metrics", name, cfg.host, metrics_server.port)
+            raise RuntimeError(f"{name}: cannot serve metrics on {mhost}:{mport}: {e}") from None
+        log.info("%s metrics on http://%s:%d/metrics%s", name, mhost, metrics_server.port,
+                 " (bearer token required)" if cfg.metrics_token else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

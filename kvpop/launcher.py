@@ -284,8 +284,10 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
             rport = free_port()
             rdir = state_dir / "redis"
             rdir.mkdir(exist_ok=True)
+            # Append-only at `everysec`, as in compose: a killed (even SIGKILLed) Redis
+            # comes back with the sessions, losing at most the last second of writes.
             rproc = _spawn(stack, "redis", [exe, "--port", str(rport), "--bind", "127.0.0.1", "--dir", str(rdir),
-                                            "--save", "", "--appendonly", "yes"],
+                                            "--save", "", "--appendonly", "yes", "--appendfsync", "everysec"],
                            f"127.0.0.1:{rport}", child_env)
             _wait_redis(rproc, rport, deadline)
             redis_url = f"redis://127.0.0.1:{rport}/0"

@@ -19,8 +19,19 @@ prefix, base units, `_total` counters):
 | `kvpop_kv_evicted_blocks_total{policy,source,reason}` | counter | compute: `source` is `network` (the cache-manager's network), `advisor_heuristic` (its heuristic: no estimator fits), `local` (a heuristic policy), `fallback` with `reason` `no_plan`, `advisor_down`, `malformed_plan`, `shape_mismatch`, `cleanup` or `unranked` |
 | `kvpop_learned_sequences_held` | gauge | compute (learned sequences waiting for their plan now) |
 | `kvpop_prefix_cache_queries_total`, `kvpop_prefix_cache_hits_total` | counter | compute; hit rate = rate(hits) / rate(queries) |
-| `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round) |
+| `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round: the time to compute one plan) |
+| `kvpop_eviction_plans_sent_total` | counter | cache-manager (plans computed and sent) |
+| `kvpop_eviction_plans_received_total` | counter | compute (plans that came over the `Advise` stream) |
+| `kvpop_eviction_plans_applied_total` | counter | compute (plans an eviction round used; each plan once) |
+| `kvpop_eviction_plans_late_total{reason}` | counter | compute: never applied, `superseded` (a newer plan came first) or `stale` (ranks fewer blocks than were sent since) |
+| `kvpop_eviction_plans_dropped_total{reason}` | counter | compute: unusable, `finished` (request ended), `malformed_plan`, `shape_mismatch` |
+| `kvpop_eviction_plan_latency_seconds` | histogram | compute (block features sent → the plan answering them received) |
 | `kvpop_service_info{service,version}` | gauge (1) | every service |
+
+A plan received is applied, late, dropped, or still pending when its sequence
+ends (no round needed it): the four do not have to add up to the received.
+Compute's engine counts reach Prometheus when `/metrics` is scraped (read from
+the engine then, not by a periodic copy), so a scrape shows the moment it is made.
 
 Each process has one registry (`get_metrics()`); `start_metrics_server` serves
 it at `/metrics`, a readiness probe at `/healthz` (200 when the `ready`
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import threading
 import time
@@ -54,6 +66,7 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
                0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                30.0, 60.0, 120.0, 300.0)
+PLAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 SCORING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                    0.1, 0.25, 0.5, 1.0)
 
@@ -110,11 +123,60 @@ class Metrics:
         self.scoring_latency = Histogram("kvpop_scoring_latency_seconds",
                                          "Time of one scoring round in the cache-manager.",
                                          buckets=SCORING_BUCKETS, registry=r)
+        self.plans_received = Counter("kvpop_eviction_plans_received",
+                                      "Eviction plans compute received from the cache-manager.", registry=r)
+        self.plans_applied = Counter("kvpop_eviction_plans_applied",
+                                     "Eviction plans compute evicted with (each plan once).", registry=r)
+        self.plans_late = Counter(
+            "kvpop_eviction_plans_late",
+            "Eviction plans never applied because they came late: superseded (a newer plan for the sequence "
+            "came first) or stale (it ranks fewer blocks than the sequence had sent since).",
+            ["reason"], registry=r)
+        self.plans_dropped = Counter(
+            "kvpop_eviction_plans_dropped",
+            "Eviction plans compute could not use: finished (the request had ended), malformed_plan, "
+            "shape_mismatch.", ["reason"], registry=r)
+        self.plan_latency = Histogram("kvpop_eviction_plan_latency_seconds",
+                                      "Compute: from sending a sequence's block features to receiving "
+                                      "the plan that answers them.", buckets=PLAN_BUCKETS, registry=r)
+        self.plans_sent = Counter("kvpop_eviction_plans_sent",
+                                  "Eviction plans the cache-manager computed and sent.", registry=r)
         self.info = Gauge("kvpop_service_info", "Constant 1, labelled with the service.",
                           ["service", "version"], registry=r)
         # Last cumulative values seen in engine.stats(): counters advance by deltas.
         self._seen: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._on_scrape: list[Callable[[], None]] = []
+
+    def on_scrape(self, hook: Callable[[], None]) -> None:
+        """Run `hook` at every scrape, before the registry is read, so a scrape
+        shows the state at that moment rather than at the last periodic refresh."""
+        self._on_scrape.append(hook)
+
+    def exposition(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type) of one scrape."""
+        for hook in self._on_scrape:
+            try:
+                hook()
+            except Exception as e:  # noqa: BLE001 — a scrape still answers, with the last values
+                log.warning("metrics scrape hook failed: %s", e)
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+    def refresh_engine_on_scrape(self, stats: Callable[[], Mapping], timeout_s: float = 1.0) -> None:
+        """Copy `stats()` in at every scrape. It may wait for an engine step, so
+        it runs on its own thread: past `timeout_s` (engine stuck) the scrape
+        answers with the values of the last refresh rather than hang."""
+        def hook() -> None:
+            box: dict = {}
+            t = threading.Thread(target=lambda: box.setdefault("stats", stats()), name="metrics-stats",
+                                 daemon=True)
+            t.start()
+            t.join(timeout_s)
+            if "stats" not in box:
+                raise TimeoutError(f"engine stats took over {timeout_s} s")
+            self.refresh_engine(box["stats"])
+        self.on_scrape(hook)
 
     def request(self) -> "RequestTimer":
         return RequestTimer(self)
@@ -140,11 +202,15 @@ class Metrics:
                                  ("prompt_tokens", self.prompt_tokens),
                                  ("generated_tokens", self.generation_tokens),
                                  ("prefix_cache_queries", self.prefix_queries),
-                                 ("prefix_cache_hits", self.prefix_hits)):
+                                 ("prefix_cache_hits", self.prefix_hits),
+                                 ("plans_applied", self.plans_applied)):
                 if key in stats:
                     self._advance(key, stats[key], counter)
             for policy, count in (stats.get("evictions") or {}).items():
                 self._advance(f"evictions/{policy}", count, self.evictions.labels(policy=policy))
+            for key, counter in (("plans_late", self.plans_late), ("plans_dropped", self.plans_dropped)):
+                for reason, count in (stats.get(key) or {}).items():
+                    self._advance(f"{key}/{reason}", count, counter.labels(reason=reason))
             for (policy, source, reason), count in (stats.get("evictions_by_source") or {}).items():
                 self._advance(f"evicted/{policy}/{source}/{reason}", count,
                               self.evicted_blocks.labels(policy=policy, source=source, reason=reason))
@@ -157,7 +223,9 @@ class Metrics:
 
 
 class EngineStatsRefresher:
-    """Copies `stats()` into the metrics every `period_s` from an asyncio task.
+    """Copies `stats()` into the metrics every `period_s` from an asyncio task
+    (for whatever reads `last` between scrapes; a scrape itself refreshes:
+    `Metrics.refresh_engine_on_scrape`).
 
     `stats` runs in a worker thread (it may wait for an engine step); the last
     result stays in `last` for others (the replica heartbeat's load)."""
@@ -272,13 +340,17 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
                          metrics: Metrics | None = None,
                          service: str | None = None, version: str = "",
                          live: Callable[[], bool] | None = None,
-                         details: Callable[[], Mapping[str, bool]] | None = None) -> MetricsServer:
+                         details: Callable[[], Mapping[str, bool]] | None = None,
+                         token: str | None = None) -> MetricsServer:
     """Serve `metrics` (default: the process's) on host:port (0 = any free port).
 
     ready: readiness probe for `/healthz`; None means "ready while the process
     runs" (liveness only). An exception inside it counts as not ready.
     live: liveness probe for `/livez` (None: alive while this thread answers).
-    details: health name -> serving, listed in the body of `/healthz`."""
+    details: health name -> serving, listed in the body of `/healthz`.
+    token: `/metrics` then needs `Authorization: Bearer <token>` (401 without);
+    the probes stay open, as grpc.health.v1 does, so orchestrators need no secret."""
+    expected = f"Bearer {token}".encode() if token else None
     m = metrics or get_metrics()
     if service:
         if not version:
@@ -293,8 +365,18 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
         def do_GET(self) -> None:  # noqa: N802 — http.server's naming
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
-                encoder, content_type = choose_encoder(self.headers.get("Accept"))
-                self._send(200, encoder(m.registry), content_type)
+                if expected is not None and not hmac.compare_digest(
+                        self.headers.get("Authorization", "").encode(), expected):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Bearer realm="kvpop metrics"')
+                    body = b"unauthorized: /metrics needs the bearer token (KVPOP_METRICS_TOKEN)\n"
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                body, content_type = m.exposition(self.headers.get("Accept"))
+                self._send(200, body, content_type)
             elif path in ("/healthz", "/livez"):
                 probe = ready if path == "/healthz" else live
                 try:

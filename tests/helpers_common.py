@@ -39,7 +39,7 @@ class RedisServer:
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
                 "--save", "", "--logfile", os.path.join(self.dir, "redis.log")]
         # appendonly so a restart keeps sessions, like the compose deployment.
-        args += ["--appendonly", "yes" if self.persist else "no"]
+        args += ["--appendonly", "yes" if self.persist else "no", "--appendfsync", "everysec"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -58,6 +58,13 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final fsync, what a crash or the OOM killer does."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
             self.proc.wait(10)
         self.proc = None
 

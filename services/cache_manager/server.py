@@ -131,6 +131,7 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                         with get_metrics().scoring_latency.time():
                             reply = self._plan(rid)
                         span.set_attribute("kvpop.ranker", reply.plan.ranker)
+                    get_metrics().plans_sent.inc()
                     yield reply
                 if msgs[-1] is None:
                     return

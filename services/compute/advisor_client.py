@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 
 import grpc
 import torch
 
 from kvpop import security
+from kvpop.metrics import get_metrics
 from kvpop.arrays import from_int_array, to_float_array, to_int_array
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
@@ -54,6 +56,8 @@ class AdvisorClient:
         self.connected = False
         self.epoch = 0
         self.on_plan = None
+        # request id -> (blocks sent up to, when) of its feature batches not yet answered by a plan
+        self._sent_at: dict[str, deque[tuple[int, float]]] = {}
         self.stats = {"features_sent": 0, "plans_received": 0, "reconnects": 0, "dropped": 0,
                       "malformed_plans": 0}
 
@@ -81,7 +85,11 @@ class AdvisorClient:
             self._plans.pop(request_id, None)
             self._contexts.pop(request_id, None)
         msg = pb.AdvisorMessage(finished=pb.SequenceFinished(request_id=request_id))
-        self.loop.call_soon_threadsafe(self._enqueue, msg)
+        self.loop.call_soon_threadsafe(self._finish, msg)
+
+    def _finish(self, msg: pb.AdvisorMessage) -> None:
+        self._sent_at.pop(msg.finished.request_id, None)
+        self._enqueue(msg)
 
     # ------------------------------------------------ loop side
     def _enqueue(self, msg: pb.AdvisorMessage) -> None:
@@ -107,6 +115,9 @@ class AdvisorClient:
                 attention=to_float_array(f.attention.float().numpy())) for f in feats])
             if gone is not None:
                 batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
+            if self.connected:
+                self._sent_at.setdefault(rid, deque(maxlen=256)).append(
+                    (max(f.block for f in feats) + 1, time.monotonic()))
             self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),
                                             tracestate=ctx.get("tracestate", "")))
             self.stats["features_sent"] += len(feats)
@@ -130,10 +141,20 @@ class AdvisorClient:
             log.warning("malformed plan for %s: %s", p.request_id, e)
             self.stats["malformed_plans"] += 1
             plan = EvictionPlan(p.request_id, None, p.covers, p.ranker, error=MALFORMED_PLAN)
+        metrics = get_metrics()
+        sent = self._sent_at.get(p.request_id)
+        answered = None
+        while sent and sent[0][0] <= p.covers:
+            answered = sent.popleft()[1]
+        if answered is not None:      # the latest batch this plan covers: what it answers
+            metrics.plan_latency.observe(time.monotonic() - answered)
         with self._lock:
             # The newest plan wins; one for a finished request is ignored by the engine.
+            if p.request_id in self._plans:
+                metrics.plans_late.labels(reason="superseded").inc()
             self._plans[p.request_id] = plan
         self.stats["plans_received"] += 1
+        metrics.plans_received.inc()
         if self.on_plan is not None:
             self.on_plan()
 
@@ -158,6 +179,7 @@ class AdvisorClient:
                     log.warning("advisor stream to %s broke: %s %s", self.address, e.code().name, e.details())
                 self.connected = False
                 self._outbox.clear()
+                self._sent_at.clear()       # a new stream re-sends everything: no answer will come for these
                 self.stats["reconnects"] += 1
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, MAX_BACKOFF_S)

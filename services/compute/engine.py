@@ -391,8 +391,20 @@ class LLMEngine:
         if self.advisor is not None:
             for rid, plan in (self._advise(self.advisor.take_plans) or {}).items():
                 seq = self.seqs.get(rid)
-                if seq is not None and seq.eviction.policy == LEARNED:
-                    seq.pending_plan = plan
+                if seq is None or seq.eviction.policy != LEARNED:
+                    self.counters["plans_dropped/finished"] += 1     # its request ended before the plan came
+                    continue
+                if seq.pending_plan is not None and not seq.plan_counted:
+                    self.counters["plans_late/superseded"] += 1      # a newer plan came before it was used
+                seq.pending_plan, seq.plan_counted = plan, False
+                problem = plan_problem(seq)
+                if problem:
+                    self.counters[f"plans_dropped/{problem}"] += 1
+                    seq.plan_counted = True
+                elif plan.covers < seq.sent_upto:
+                    # Ranks fewer blocks than were sent since: a round needs a newer one.
+                    self.counters["plans_late/stale"] += 1
+                    seq.plan_counted = True
             if self._advisor_up():
                 for seq in learned:
                     self._sync_advisor(seq)
@@ -472,6 +484,9 @@ class LLMEngine:
             return
         if plan is not None:
             seq.plan_gave_up = False
+            if not seq.plan_counted:
+                self.counters["plans_applied"] += 1
+                seq.plan_counted = True
             self._round(seq, plan, "")
             return
         reason = plan_problem(seq) or ("" if self._advisor_up() else ADVISOR_DOWN)
@@ -636,6 +651,11 @@ class LLMEngine:
             "held_for_plan": sum(1 for s in self.scheduler.running if s.holding),
             "features_resent": self.counters["features_resent"],
             "plan_waits_expired": self.counters["plan_waits_expired"],
+            "plans_applied": self.counters["plans_applied"],
+            # reason -> plans taken from the advisor but never applied
+            "plans_late": {k.split("/", 1)[1]: n for k, n in self.counters.items() if k.startswith("plans_late/")},
+            "plans_dropped": {k.split("/", 1)[1]: n for k, n in self.counters.items()
+                              if k.startswith("plans_dropped/")},
             "generated_tokens": self.counters["generated_tokens"],
             "prompt_tokens": self.counters["prompt_tokens"],
             "steps": self.counters["steps"],

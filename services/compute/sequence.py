@@ -61,6 +61,7 @@ class Sequence:
     # held for one (monotonic seconds; None: not held), the advisor epoch its
     # features were sent in, and the step each submission happened at
     pending_plan: object | None = None
+    plan_counted: bool = False     # pending_plan already counted applied or late (metrics count each plan once)
     plan_wait_since: float | None = None
     advisor_epoch: int = 0
     submitted_at: dict = field(default_factory=dict)

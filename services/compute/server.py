@@ -383,6 +383,8 @@ class ComputeApp:
             self.servicer.advisor.start()
         # Token counts, pool pages and evictions come from the engine's own stats.
         self.refresher = EngineStatsRefresher(self.servicer.engine.stats).start()
+        # A scrape reads the engine then: the periodic copy above lags it by up to its period.
+        get_metrics().refresh_engine_on_scrape(self.servicer.engine.stats)
         if self.servicer.cfg.redis_url:
             await self._join_replicas()
 

@@ -125,13 +125,24 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             self.streams.acquire(client)
         except Invalid as e:
             await context.abort(e.code, e.message)
+        # Started before any await: a client that goes away while its session is
+        # looked up is counted like one that goes away mid-stream.
+        timer = get_metrics().request()
+        inner = self._generate(request, creq, context, timer)
         try:
-            async for r in self._generate(request, creq, context):
+            async for r in inner:
                 yield r
+        except (asyncio.CancelledError, GeneratorExit):
+            timer.fail("cancelled")
+            raise
         finally:
+            timer.fail("incomplete")    # no-op when finish() or fail() already ran
+            # Now, not whenever the suspended generator is collected: compute frees the sequence at once.
+            await inner.aclose()
             self.streams.release(client)
 
-    async def _generate(self, request, creq: compute_pb2.ComputeRequest, context: grpc.aio.ServicerContext):
+    async def _generate(self, request, creq: compute_pb2.ComputeRequest, context: grpc.aio.ServicerContext,
+                        timer):
         remaining = context.time_remaining()
         if self.prewarm is not None and request.prompt:     # chats are not counted (yet)
             self._spawn(self._count_prefixes(request.prompt))
@@ -141,7 +152,6 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         call = SessionTurn(self.router, creq, remaining, await self._session(sid), self._owners.get(sid),
                            lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
         text, ids, prompt_ids, finish, session = [], [], [], "", ""
-        timer = get_metrics().request()
         try:
             async for resp in call:
                 if resp.prompt_token_ids:
@@ -160,7 +170,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                                    f", session {sid} re-prefilled {u.reprefilled_tokens} tokens"
                                    if u.reprefilled_tokens else f", session {sid} started")
                 yield r
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             timer.fail("cancelled")
             raise
         except NoReplicaAvailable as e:
@@ -179,7 +189,6 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                                     f"compute at {where} is unavailable: {e.details()}")
             await context.abort(code, e.details() or code.name)
         finally:
-            timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Client cancelled or deadline hit: tell compute so it frees the sequence now.
             await call.aclose()
         log.info("request %s: %s, %d tokens, policy %s, %.0f ms%s", creq.request_id, finish or "no final message",

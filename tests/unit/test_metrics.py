@@ -177,3 +177,104 @@ def test_refresher_polls_stats_in_the_background():
 def test_process_registry_is_a_singleton():
     assert get_metrics() is get_metrics()
     assert get_metrics().registry.get_sample_value("kvpop_requests_in_flight") is not None
+
+
+def test_scrape_reads_engine_stats_at_that_moment():
+    """Each scrape shows the engine as it is then (no periodic copy to wait
+    for); a stuck engine makes the scrape answer late with its last values,
+    never hang; plan counters advance by deltas like the others."""
+    import threading
+
+    m = Metrics(process_collectors=False)
+    state = {"generated_tokens": 0, "pages_used": 0, "plans_applied": 0, "plans_late": {}}
+    stuck = threading.Event()
+
+    def stats():
+        if stuck.is_set():
+            time.sleep(3)       # an engine step that does not end
+        return dict(state)
+    m.refresh_engine_on_scrape(stats, timeout_s=0.5)
+    server = start_metrics_server(0, metrics=m)
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    try:
+        for n in (1, 5, 6):
+            state.update(generated_tokens=n, pages_used=2 * n, plans_applied=n, plans_late={"stale": n - 1})
+            samples, declared = scrape(url)
+            assert samples["kvpop_generation_tokens_total"] == n and samples["kvpop_kv_pool_pages_used"] == 2 * n
+            assert samples["kvpop_eviction_plans_applied_total"] == n
+            assert samples["kvpop_eviction_plans_late_total{reason=stale}"] == n - 1
+        assert {"kvpop_eviction_plans_received_total", "kvpop_eviction_plans_dropped_total",
+                "kvpop_eviction_plan_latency_seconds", "kvpop_eviction_plans_sent_total"} <= declared
+        stuck.set()
+        state["generated_tokens"] = 99
+        t0 = time.monotonic()
+        samples, _ = scrape(url)
+        assert time.monotonic() - t0 < 2.5 and samples["kvpop_generation_tokens_total"] == 6
+    finally:
+        server.close()
+
+
+def test_metrics_bearer_token():
+    """With a token, /metrics answers 401 to a scrape without it or with a wrong
+    one; the probes stay open (an orchestrator needs no secret for them)."""
+    server = start_metrics_server(0, metrics=Metrics(process_collectors=False), token="s3cret")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        for auth in (None, "Bearer wrong", "s3cret", "Bearer s3cret2"):
+            req = urllib.request.Request(base + "/metrics", headers={"Authorization": auth} if auth else {})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=5)
+            assert e.value.code == 401 and e.value.headers["WWW-Authenticate"].startswith("Bearer"), auth
+        req = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            assert resp.status == 200 and b"kvpop_request_failure_total" in resp.read()
+        for probe in ("/healthz", "/livez"):
+            with urllib.request.urlopen(base + probe, timeout=5) as resp:
+                assert resp.status == 200
+    finally:
+        server.close()
+
+
+def test_service_metrics_on_loopback_with_token(tmp_path):
+    """A real cache-manager process with its gRPC on every interface but
+    KVPOP_METRICS_HOST=127.0.0.1 and KVPOP_METRICS_TOKEN: /metrics is on
+    loopback only and needs the token."""
+    import os
+    import socket
+
+    from helpers_common import REPO, free_port, wait_until
+
+    port, mport = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}
+    env.update(OTEL_TRACES_EXPORTER="none", PYTHONPATH=str(REPO), KVPOP_HOST="0.0.0.0",
+               KVPOP_METRICS_HOST="127.0.0.1", KVPOP_METRICS_PORT=str(mport), KVPOP_METRICS_TOKEN="t0ken")
+    log = open(tmp_path / "cm.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cache_manager", "--port", str(port)], env=env,
+                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{mport}"
+
+    def live():
+        assert proc.poll() is None, (tmp_path / "cm.log").read_text()[-2000:]
+        try:
+            return urllib.request.urlopen(base + "/livez", timeout=2).status == 200
+        except OSError:
+            return False
+    try:
+        wait_until(live, 60, "the cache-manager's /livez")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + "/metrics", timeout=5)
+        assert e.value.code == 401
+        req = urllib.request.Request(base + "/metrics", headers={"Authorization": "Bearer t0ken"})
+        assert b"kvpop_service_info" in urllib.request.urlopen(req, timeout=5).read()
+        # Bound to loopback alone: another local address of this host does not answer.
+        other = socket.gethostbyname(socket.gethostname())
+        if not other.startswith("127."):
+            with pytest.raises(OSError):
+                socket.create_connection((other, mport), timeout=2).close()
+        with open(f"/proc/{proc.pid}/net/tcp") as f:     # the listener's local address, in hex
+            listening = [line.split()[1] for line in f.readlines()[1:] if line.split()[3] == "0A"]
+        assert f"0100007F:{mport:04X}" in listening and f"00000000:{mport:04X}" not in listening
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
