@@ -58,7 +58,7 @@ echo "tests exit code: $rc" | tee -a "$OUT/tests.log"
 [ "$rc" -ne 0 ] && status=1
 
 echo "== (b) benchmark" | tee "$OUT/bench.log"
-timeout 360 "$PY" -m kvkernels.bench --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+timeout 360 "$PY" -m kvpop.bench_kernels --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench exit code: $rc" | tee -a "$OUT/bench.log"
 [ "$rc" -ne 0 ] && status=1

@@ -1,7 +1,7 @@
 """Kernel and decode benchmarks; kvkernels/gpu_check.sh runs this on a GPU host.
 
-    python -m kvkernels.bench --out gpu_out            # on a CUDA device
-    python -m kvkernels.bench --dry-run --out /tmp/b   # tiny sizes on CPU: checks the code paths
+    python -m kvpop.bench_kernels --out gpu_out            # on a CUDA device
+    python -m kvpop.bench_kernels --dry-run --out /tmp/b   # tiny sizes on CPU: checks the code paths
 
 1. attention: paged_attention time and achieved bandwidth (bytes of K/V read
    / time) against the GPU's peak memory bandwidth and a measured device
