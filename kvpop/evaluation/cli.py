@@ -81,7 +81,7 @@ def run(args) -> int:
 
     advisor = None
     if "learned" in policies:   # the cache-manager's own scoring, in process (docs/estimator.md)
-        from services.cache_manager.local_advisor import LocalAdvisor
+        from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(model_dir)
         print(f"learned: {advisor.planner.loaded}")
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,

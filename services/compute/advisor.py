@@ -4,12 +4,13 @@ gets back (eviction plans), and where each evicted block's ranking came from.
 
 The engine runs one protocol for every advisor: the remote cache-manager
 (advisor_client.AdvisorClient) and the in-process one the evaluation uses
-(services.cache_manager.local_advisor.LocalAdvisor) are driven the same way.
+(kvpop.evaluation.local_advisor.LocalAdvisor) are driven the same way.
 Plans are taken at the top of a step; a sequence whose round needs a plan it
 does not have yet is held (it alone), up to ``plan_wait_s``.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -53,6 +54,31 @@ class EvictionPlan:
     @property
     def source(self) -> str:
         return NETWORK if self.ranker == "network" else ADVISOR_HEURISTIC
+
+
+class PlanMailbox:
+    """The newest plan per request, put by whoever ranks (any thread) and taken
+    by the engine at a step boundary, all at once. Both advisors use it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._plans: dict[str, EvictionPlan] = {}
+
+    def put(self, plan: EvictionPlan) -> bool:
+        """Store the plan; True when it replaced one the engine never took."""
+        with self._lock:
+            replaced = plan.request_id in self._plans
+            self._plans[plan.request_id] = plan
+        return replaced
+
+    def take(self) -> dict[str, EvictionPlan]:
+        with self._lock:
+            plans, self._plans = self._plans, {}
+        return plans
+
+    def drop(self, request_id: str) -> None:
+        with self._lock:
+            self._plans.pop(request_id, None)
 
 
 class EvictionAdvisor(Protocol):

@@ -2,7 +2,7 @@
 
 The engine thread calls `submit`, `take_plans` and `release`; none of them
 blocks: `submit`/`release` hand messages to the asyncio loop with
-`call_soon_threadsafe`, `take_plans` swaps a dict under a lock. The stream runs
+`call_soon_threadsafe`, `take_plans` empties the plan mailbox. The stream runs
 as a task on the server's loop and reconnects quickly (backoff capped at
 `MAX_BACKOFF_S`, gRPC's own reconnect backoff capped likewise). While the cache-manager is absent (`connected` is False)
 messages are dropped and the engine evicts with its local fallback policy at
@@ -25,7 +25,7 @@ from kvpop.metrics import get_metrics
 from kvpop.arrays import from_int_array, to_float_array, to_int_array
 from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
-from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan
+from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, PlanMailbox
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ CHANNEL_OPTIONS = [
 class AdvisorClient:
     def __init__(self, address: str, loop: asyncio.AbstractEventLoop):
         self.address, self.loop = address, loop
-        self._lock = threading.Lock()
-        self._plans: dict[str, EvictionPlan] = {}
+        self._lock = threading.Lock()      # guards _contexts
+        self._plans = PlanMailbox()
         self._contexts: dict[str, dict[str, str]] = {}
         self._outbox: deque[pb.AdvisorMessage] = deque(maxlen=MAX_QUEUED)
         self._wake = asyncio.Event()
@@ -76,13 +76,11 @@ class AdvisorClient:
         self.loop.call_soon_threadsafe(self._enqueue_features, features, gone)
 
     def take_plans(self) -> dict[str, EvictionPlan]:
-        with self._lock:
-            plans, self._plans = self._plans, {}
-        return plans
+        return self._plans.take()
 
     def release(self, request_id: str) -> None:
+        self._plans.drop(request_id)
         with self._lock:
-            self._plans.pop(request_id, None)
             self._contexts.pop(request_id, None)
         msg = pb.AdvisorMessage(finished=pb.SequenceFinished(request_id=request_id))
         self.loop.call_soon_threadsafe(self._finish, msg)
@@ -148,11 +146,9 @@ class AdvisorClient:
             answered = sent.popleft()[1]
         if answered is not None:      # the latest batch this plan covers: what it answers
             metrics.plan_latency.observe(time.monotonic() - answered)
-        with self._lock:
-            # The newest plan wins; one for a finished request is ignored by the engine.
-            if p.request_id in self._plans:
-                metrics.plans_late.labels(reason="superseded").inc()
-            self._plans[p.request_id] = plan
+        # The newest plan wins; one for a finished request is ignored by the engine.
+        if self._plans.put(plan):
+            metrics.plans_late.labels(reason="superseded").inc()
         self.stats["plans_received"] += 1
         metrics.plans_received.inc()
         if self.on_plan is not None:

@@ -26,7 +26,7 @@ from kvpop.pb import cache_manager_pb2 as pb
 from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
 from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, save
 from services.cache_manager.heuristic import AttentionPerAge, plan
-from services.cache_manager.local_advisor import LocalAdvisor
+from kvpop.evaluation.local_advisor import LocalAdvisor
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
 from services.compute.engine import EvictionParams, SamplingParams

@@ -1,6 +1,7 @@
 """An in-process EvictionAdvisor running the cache-manager's own Planner
 (same scoring state, network and plans as the service), for evaluation and
-tests: deterministic, no gRPC, no timing.
+tests: deterministic, no gRPC, no timing. A tool: it joins compute's advisor
+protocol to the cache-manager's planner, which the services never do.
 
 Each ``submit`` is answered at once with the plan the service would send for
 that batch; ``take_plans`` (the engine's next step boundary) hands it over,
@@ -12,27 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord
-
-
-@dataclass
-class EvictionPlan:
-    """compute's EvictionPlan, by shape (services do not import each other)."""
-    request_id: str
-    evict: torch.Tensor           # [L, Hkv, k] block numbers, most evictable first
-    covers: int = 0
-    ranker: str = "network"
-    error: str = ""
-
-    @property
-    def source(self) -> str:
-        return "network" if self.ranker == "network" else "advisor_heuristic"
+from services.compute.advisor import EvictionPlan, PlanMailbox
 
 
 class LocalAdvisor:
@@ -42,8 +29,8 @@ class LocalAdvisor:
 
     def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 1024, model=None):
         self.planner = Planner(checkpoint, max_plan_blocks, model=model)
-        self._lock = threading.Lock()
-        self._plans: dict[str, EvictionPlan] = {}
+        self._lock = threading.Lock()      # guards the planner
+        self._plans = PlanMailbox()
         self.plans_sent = 0
         self.score_seconds = 0.0
 
@@ -70,16 +57,14 @@ class LocalAdvisor:
                 self.planner.add(rid, records, None if gone is None else gone.numpy())
                 plan = self.planner.plan(rid)
                 self.score_seconds += time.perf_counter() - t0
-                self._plans[rid] = EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
-                                                plan.covers, plan.ranker)
+                self._plans.put(EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
+                                             plan.covers, plan.ranker))
                 self.plans_sent += 1
 
     def take_plans(self) -> dict[str, EvictionPlan]:
-        with self._lock:
-            plans, self._plans = self._plans, {}
-        return plans
+        return self._plans.take()
 
     def release(self, request_id: str) -> None:
+        self._plans.drop(request_id)
         with self._lock:
-            self._plans.pop(request_id, None)
             self.planner.drop(request_id)
