@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from services.compute import detokenize
 from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.eviction import (EvictionParams, blocks_leaving_window, drop_outside_window,
                                        eviction_round, overshoot, plan_problem, resident_block_features,
@@ -535,44 +536,16 @@ class LLMEngine:
         self.counters["generated_tokens"] += not seq.prewarm
         if tok in self.eos_ids and not p.ignore_eos:
             seq.append_token(tok)
-            return self._finish(seq, "stop", tok, self._flush(seq), logprob)
+            return self._finish(seq, "stop", tok, detokenize.flush(seq), logprob)
         seq.append_token(tok)
-        delta, stopped = self._detokenize(seq, tok)
+        delta, stopped = detokenize.push(seq, tok)
         if stopped:
             return self._finish(seq, "stop", tok, delta, logprob)
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return self._finish(seq, "length", tok, delta + self._flush(seq), logprob)
+            return self._finish(seq, "length", tok, delta + detokenize.flush(seq), logprob)
         out = StepOutput(seq.request_id, tok, delta, logprob, False, None, rounds=seq.rounds)
         seq.rounds = []
         return out
-
-    # ------------------------------------------------------------ text
-    def _detokenize(self, seq: Sequence, tok: int) -> tuple[str, bool]:
-        if seq.decoder is None:
-            return "", False
-        seq.text += seq.decoder.push(tok)
-        stops = seq.sampling.stop
-        if not stops:
-            delta, seq.emitted = seq.text[seq.emitted:], len(seq.text)
-            return delta, False
-        start = max(0, seq.emitted - max(map(len, stops)) + 1)
-        hits = [i for i in (seq.text.find(s, start) for s in stops) if i >= 0]
-        if hits:
-            end = max(min(hits), seq.emitted)
-            delta, seq.emitted = seq.text[seq.emitted:end], len(seq.text)
-            return delta, True
-        # Hold back a tail that could still become a stop string.
-        hold = max((k for s in stops for k in range(1, len(s)) if seq.text.endswith(s[:k])), default=0)
-        end = max(seq.emitted, len(seq.text) - hold)
-        delta, seq.emitted = seq.text[seq.emitted:end], end
-        return delta, False
-
-    def _flush(self, seq: Sequence) -> str:
-        if seq.decoder is None:
-            return ""
-        seq.text += seq.decoder.flush()
-        delta, seq.emitted = seq.text[seq.emitted:], len(seq.text)
-        return delta
 
     # ------------------------------------------------------------ finish
     def _finish(self, seq: Sequence, reason: str, tok, delta: str, logprob) -> StepOutput:
