@@ -16,7 +16,9 @@ DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
-    p.add_argument("--policies", default=DEFAULT_POLICIES)
+    p.add_argument("--policies", default=DEFAULT_POLICIES,
+                   help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
+                        "(h2o+recent50: H2O as its paper runs it)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
     p.add_argument("--n", type=int, default=16, help="test instances per family")
@@ -57,7 +59,12 @@ def run(args) -> int:
         print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(FAMILIES)}")
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_NAMES and p != "oracle"]
+    from kvpop.evaluation.harness import policy_spec
+    try:
+        unknown = [p for p in policies if policy_spec(p)[0] not in POLICY_NAMES and p != "oracle"]
+    except ValueError as e:
+        print(e)
+        return 2
     if unknown:
         print(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES + ('oracle',))}")
         return 2

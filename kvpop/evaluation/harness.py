@@ -20,8 +20,30 @@ from kvpop.tasks.vocab import decode_ids
 
 @dataclass(frozen=True)
 class Setting:
-    policy: str
+    policy: str                 # a policy name, or "<name>+recent<P>" (see policy_spec)
     compression: float          # 0 = dense
+
+
+def policy_spec(label: str) -> tuple[str, float | None]:
+    """"h2o+recent50" -> ("h2o", 0.5): the policy with a recent window of 50% of
+    each request's budget instead of the run's fixed --recent (H2O's paper keeps
+    half its budget for recent tokens). A plain name -> (name, None). The
+    served request is the same policy with `recent_tokens` set: no eval-only path."""
+    name, _, rest = label.partition("+recent")
+    if not rest:
+        return label, None
+    share = int(rest) / 100
+    if not 0 < share < 1:
+        raise ValueError(f"{label!r}: the recent share must be between 1 and 99 (percent of the budget)")
+    return name, share
+
+
+def recent_tokens(label: str, budget: int | None, default: int, sink: int, block_size: int) -> int:
+    """The recent window of a request under `label` (at least `default`; room left for sink + one block)."""
+    _, share = policy_spec(label)
+    if share is None or budget is None:
+        return default
+    return max(default, min(int(budget * share), budget - sink - block_size))
 
 
 @dataclass
@@ -61,8 +83,9 @@ class Harness:
         else:
             o.budget = budget_tokens(inst, s.compression, self.min_budget)
             # The oracle rides on the streaming protection rules with its own scores.
-            name = "streaming" if s.policy == "oracle" else s.policy
-            ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=self.recent, block_size=self.bs)
+            name = "streaming" if s.policy == "oracle" else policy_spec(s.policy)[0]
+            recent = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
+            ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=recent, block_size=self.bs)
         seq = self.engine.make_sequence(rid, inst.prompt_ids, sampling, ev)
         if s.policy == "oracle":
             seq.policy = OraclePolicy(inst.depends, self.bs)

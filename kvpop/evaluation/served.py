@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import grpc
 from tqdm import tqdm
 
-from kvpop.evaluation.harness import Outcome, Setting, budget_tokens
+from kvpop.evaluation.harness import Outcome, Setting, budget_tokens, policy_spec, recent_tokens
 from kvpop.tasks.checker import is_correct
 
 
@@ -38,11 +38,12 @@ class ServedHarness:
     def _request(self, o: Outcome):
         inst, s = o.instance, o.setting
         req = self.pb.GenerateRequest(prompt=inst.prompt, max_tokens=len(inst.solution_ids) + self.margin,
-                                      temperature=0.0, policy=s.policy, sink_tokens=self.sink,
+                                      temperature=0.0, policy=policy_spec(s.policy)[0], sink_tokens=self.sink,
                                       recent_tokens=self.recent)
         if s.policy != "dense":
             o.budget = budget_tokens(inst, s.compression, self.min_budget)
             req.budget_tokens = o.budget
+            req.recent_tokens = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
         return req
 
     def _run_one(self, o: Outcome) -> None:

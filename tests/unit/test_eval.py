@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpop.evaluation import report
-from kvpop.evaluation.harness import Harness, Setting, budget_tokens
+from kvpop.evaluation.harness import Harness, Outcome, Setting, budget_tokens, policy_spec
 from kvpop.evaluation.oracle import OraclePolicy
 from kvpop.tasks import generate, suite
 from kvpop.tasks.checker import is_correct
@@ -136,3 +136,16 @@ def test_records_and_table(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text()) == rows
     md = (tmp_path / "results.md").read_text()
     assert "| random | 50.00% |" in md and (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+def test_recent_share_variant_gives_half_the_budget_to_recent_tokens(tiny_dir):
+    assert policy_spec("h2o") == ("h2o", None) and policy_spec("h2o+recent50") == ("h2o", 0.5)
+    with pytest.raises(ValueError):
+        policy_spec("h2o+recent100")
+    inst = generate("passkey", 3, 500)
+    h = Harness(_engine(tiny_dir))
+    plain, half = Outcome(Setting("h2o", 0.75), inst), Outcome(Setting("h2o+recent50", 0.75), inst)
+    a, b = h._make("a", plain, False), h._make("b", half, False)
+    assert a.eviction.policy == b.eviction.policy == "h2o" and plain.budget == half.budget
+    assert a.eviction.recent == h.recent
+    assert b.eviction.recent == half.budget // 2 > h.recent
