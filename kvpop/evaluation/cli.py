@@ -20,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
                         "(h2o+recent50: H2O as its paper runs it)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
+    p.add_argument("--suite", choices=["tasks", "real"], default="tasks",
+                   help="tasks: the default model's task families; real: long-context retrieval on real text "
+                        "for a chat model (needle, multikey, multivalue, vartrack; kvpop/tasks/ruler.py)")
+    p.add_argument("--lengths", default="1024,2048",
+                   help="--suite real: prompt lengths in the model's tokens (chat-rendered)")
+    p.add_argument("--no-kl", action="store_true",
+                   help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
     p.add_argument("--n", type=int, default=16, help="test instances per family")
     p.add_argument("--seed", type=int, default=0, help="test-set seed (inside the test seed range)")
@@ -47,12 +54,14 @@ def run(args) -> int:
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Harness, Setting
     from kvpop.tasks import FAMILIES
-    from kvpop.tasks import suite
     from services.compute.engine import EngineConfig, LLMEngine
     from services.compute.policies import POLICY_NAMES
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
+    if args.suite == "real":
+        from kvpop.tasks import ruler
+        FAMILIES = {f: None for f in ruler.FAMILIES}   # noqa: N806 - the suite's families
     families = list(FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [f for f in families if f not in FAMILIES]
     if bad:
@@ -81,29 +90,30 @@ def run(args) -> int:
     if "learned" in policies and not (model_dir / ESTIMATOR).is_file():
         print(f"note: no {ESTIMATOR} in {model_dir}; skipping the 'learned' policy")
         policies.remove("learned")
-    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
-    if args.quick:
-        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
-    instances = suite.test_set(n, families, args.seed, lo, hi)
+    instances, lo, hi, n = test_instances(args, families)
 
     advisor = None
     if "learned" in policies:   # the cache-manager's own scoring, in process (docs/estimator.md)
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(model_dir)
         print(f"learned: {advisor.planner.loaded}")
+    longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=4096, prefill_chunk=512), advisor=advisor)
+                                    max_model_len=max(4096, longest), prefill_chunk=512), advisor=advisor)
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
-    dense = harness.run([Setting("dense", 0.0)], instances, desc="dense")
+    forcing = not args.no_kl
+    dense = harness.run([Setting("dense", 0.0)], instances, desc="dense", forcing=forcing)
     reference = {(o.instance.family, o.instance.seed): o.logprobs for o in dense}
     for o in dense:
         o.kl = [0.0] * len(o.logprobs)
         o.logprobs = []
     settings = [Setting(p, c) for p in policies if p != "dense" for c in comps]
-    rest = harness.run(settings, instances, desc="policies", reference=reference)
+    rest = harness.run(settings, instances, desc="policies", reference=reference if forcing else None,
+                       forcing=forcing)
     rows = report.records(dense + rest, families)
-    meta = {"model": str(model_dir), "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
+    meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
+            "seed": args.seed,
             "block_size": args.block_size, "sink": args.sink, "recent": args.recent,
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
@@ -113,19 +123,31 @@ def run(args) -> int:
     return 0
 
 
+def test_instances(args, families: list[str]):
+    """(instances, shortest, longest, n per family) of the chosen suite."""
+    from kvpop.tasks import suite
+    if args.suite == "real":
+        from kvpop.tasks import ruler
+        from services.compute.tokenizer import Tokenizer
+        lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+        n = 1 if args.quick else args.n
+        insts = ruler.test_set(Tokenizer(args.model), n, lengths, families, args.seed)
+        return insts, min(lengths), max(lengths), n
+    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
+    if args.quick:
+        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
+    return suite.test_set(n, families, args.seed, lo, hi), lo, hi, n
+
+
 def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Setting
     from kvpop.evaluation.served import ServedHarness
-    from kvpop.tasks import suite
 
     if "oracle" in policies:
         print("note: 'oracle' is evaluation-only (it knows the answer's positions); not served, skipped")
         policies = [p for p in policies if p != "oracle"]
-    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
-    if args.quick:
-        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
-    instances = suite.test_set(n, families, args.seed, lo, hi)
+    instances, lo, hi, n = test_instances(args, families)
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info
     print(f"via {args.via}: model {info.name} ({info.architecture}, {info.num_layers} layers), "

@@ -21,7 +21,8 @@ def records(outcomes, families: list[str]) -> list[dict]:
         rows.append({
             "policy": policy, "compression": comp, "task": task, "n": len(os_),
             "accuracy": sum(o.correct for o in os_) / len(os_),
-            "kl": (sum(kls) / len(kls)) if kls else 0.0,
+            # None: not measured (no teacher-forced pass); dense against itself is 0.
+            "kl": (sum(kls) / len(kls)) if kls else (0.0 if policy == "dense" else None),
             "mean_generated_tokens": sum(o.generated for o in os_) / len(os_),
             "kv_kept": (sum(b / t for b, t in zip(budgets, total)) / len(budgets)) if budgets else 1.0,
         })
@@ -45,7 +46,7 @@ def markdown(rows: list[dict], families: list[str]) -> str:
         cells = [pol, f"{comp:.2%}" if comp else "0 (dense)"]
         cells += [f"{by[(pol, comp, f)]['accuracy']:.2f}" if (pol, comp, f) in by else "-" for f in families]
         ret = a["retention"]
-        cells += [f"**{a['accuracy']:.3f}**", "-" if ret is None else f"{ret:.3f}", f"{a['kl']:.4f}",
+        cells += [f"**{a['accuracy']:.3f}**", "-" if ret is None else f"{ret:.3f}", "-" if a["kl"] is None else f"{a['kl']:.4f}",
                   f"{a['mean_generated_tokens']:.1f}"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

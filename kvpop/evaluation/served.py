@@ -37,7 +37,10 @@ class ServedHarness:
 
     def _request(self, o: Outcome):
         inst, s = o.instance, o.setting
-        req = self.pb.GenerateRequest(prompt=inst.prompt, max_tokens=len(inst.solution_ids) + self.margin,
+        chat = getattr(inst, "messages", None)
+        req = self.pb.GenerateRequest(prompt="" if chat else inst.prompt,
+                                      messages=[self.pb.ChatMessage(**m) for m in chat or []],
+                                      max_tokens=len(inst.solution_ids) + self.margin,
                                       temperature=0.0, policy=policy_spec(s.policy)[0], sink_tokens=self.sink,
                                       recent_tokens=self.recent)
         if s.policy != "dense":
@@ -56,7 +59,7 @@ class ServedHarness:
                 usage = msg.finished.usage
         o.text = "".join(text)
         o.generated = ids
-        o.correct = is_correct(o.instance, o.text)
+        o.correct = o.instance.check(o.text) if hasattr(o.instance, "check") else is_correct(o.instance, o.text)
         if usage is not None:
             with self._lock:
                 d = self.decisions.setdefault((o.setting.policy, o.setting.compression), {})

@@ -303,3 +303,23 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
     finally:
         down = _kvpop("down", env=env, timeout=60)
         assert down.returncode == 0, down.stderr
+
+
+def test_real_text_suite_prompts(engine):
+    """The `real` eval suite on SmolLM2's tokenizer: exact lengths, the facts
+    in the prompt in order, deterministic, and answers scored by containment."""
+    from kvpop.tasks import ruler
+    tok = engine.tokenizer
+    for fam in ruler.FAMILIES:
+        for length in (1024, 2048):
+            inst = ruler.generate(fam, 7, length, tok)
+            assert abs(len(inst.prompt_ids) - length) <= 0.02 * length, (fam, length, len(inst.prompt_ids))
+            assert inst.prompt_ids == tok.encode_chat(inst.messages)
+            assert all(a in inst.prompt for a in inst.answers), fam
+            again = ruler.generate(fam, 7, length, tok)
+            assert again.prompt_ids == inst.prompt_ids and again.answers == inst.answers
+            assert inst.check(inst.solution) and not inst.check("I do not know.")
+    chain = ruler.generate("vartrack", 3, 1024, tok)
+    where = [chain.prompt.index(f"VAR {a} =") for a in chain.answers]
+    assert where == sorted(where)       # each copy comes after the variable it copies
+    assert ruler.generate("needle", 1, 1024, tok).answers != ruler.generate("needle", 2, 1024, tok).answers

@@ -1,0 +1,146 @@
+"""Long-context retrieval on real text for a real chat model (the `real` suite
+of `kvpop eval`), in the manner of RULER: facts hidden at random depths in
+natural-language filler our own code writes, then a question at the end.
+
+Families:
+- `needle`: one "special magic number" for a key; ask for it.
+- `multikey`: four keys with a number each; ask for one of them.
+- `multivalue`: one key given three numbers at three depths; ask for all.
+- `vartrack`: a value assigned to a variable, then copied along a chain of
+  variables with filler in between; ask which variables hold the value.
+
+A prompt is one user message rendered with the model's chat template. An
+answer is correct when every expected value appears in the generated text
+(containment, as RULER scores): chat models phrase answers their own way.
+Lengths are counted in the model's tokens (the chat-rendered prompt), within
+2% of the target.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+FAMILIES = ("needle", "multikey", "multivalue", "vartrack")
+
+_SUBJECTS = ["The river", "A small village", "The old library", "Our neighbour", "The morning train", "A gardener",
+             "The committee", "The lighthouse keeper", "A young painter", "The market", "The museum guide",
+             "A fisherman", "The weather", "The city council", "A traveller", "The baker", "The school choir"]
+_VERBS = ["watched", "described", "remembered", "repaired", "visited", "painted", "measured", "announced",
+          "carried", "collected", "followed", "discussed", "welcomed", "explored", "ignored", "counted"]
+_OBJECTS = ["the quiet harbour", "a basket of apples", "the northern hills", "an unfinished letter",
+            "the spring festival", "a narrow bridge", "the evening news", "a field of barley", "the stone wall",
+            "a wooden boat", "the clock tower", "a box of old maps", "the winter road", "a row of lanterns"]
+_TAILS = ["before the rain began", "after a long week", "with great care", "without saying a word",
+          "as the sun went down", "for the third time", "while the bells rang", "near the end of summer",
+          "in the early afternoon", "despite the wind", "at the request of a friend", "on a quiet Sunday"]
+_KEYS = ["amber-falcon", "silent-orchard", "copper-lantern", "northern-meadow", "velvet-harbor", "crimson-anchor",
+         "hollow-pine", "golden-ferry", "misty-quarry", "rapid-heron", "frozen-canyon", "pale-violet"]
+
+
+def _sentence(rng: random.Random) -> str:
+    return f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
+
+
+def _number(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+@dataclass
+class TextInstance:
+    family: str
+    seed: int
+    messages: list[dict]
+    answers: list[str]              # every one must appear in the generated text
+    solution: str                   # a reference answer (teacher forcing: KL to dense)
+    prompt_ids: list[int] = field(default_factory=list)
+    solution_ids: list[int] = field(default_factory=list)
+    depends: list[int] = field(default_factory=list)   # no dependency oracle on real text
+    decoder: object = field(default=None, repr=False)
+
+    @property
+    def prompt(self) -> str:
+        return self.messages[-1]["content"]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.decoder.decode(ids)
+
+    def check(self, text: str) -> bool:
+        return all(a in text for a in self.answers)
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "seed": self.seed, "answers": self.answers,
+                "prompt_tokens": len(self.prompt_ids), "solution_tokens": len(self.solution_ids)}
+
+
+def _facts(family: str, rng: random.Random) -> tuple[list[str], str, list[str], str]:
+    """(fact sentences in order, question, expected values, reference answer)."""
+    keys = rng.sample(_KEYS, 4)
+    if family == "needle":
+        v = _number(rng)
+        return ([f"The special magic number for {keys[0]} is: {v}."],
+                f"What is the special magic number for {keys[0]} mentioned in the text?", [v],
+                f"The special magic number for {keys[0]} is {v}.")
+    if family == "multikey":
+        vals = [_number(rng) for _ in keys]
+        ask = rng.randrange(4)
+        facts = [f"The special magic number for {k} is: {v}." for k, v in zip(keys, vals)]
+        return (facts, f"What is the special magic number for {keys[ask]} mentioned in the text?", [vals[ask]],
+                f"The special magic number for {keys[ask]} is {vals[ask]}.")
+    if family == "multivalue":
+        vals = [_number(rng) for _ in range(3)]
+        facts = [f"One of the special magic numbers for {keys[0]} is: {v}." for v in vals]
+        return (facts, f"What are all the special magic numbers for {keys[0]} mentioned in the text?", vals,
+                f"The special magic numbers for {keys[0]} are {', '.join(vals)}.")
+    if family == "vartrack":
+        v = str(rng.randint(10_000, 99_999))
+        names = [f"VAR {c}{rng.randint(10, 99)}" for c in rng.sample("ABCDEFGHJKLMNPQRSTUVWXYZ", 4)]
+        facts = [f"{names[0]} = {v}."] + [f"{b} = {a}." for a, b in zip(names, names[1:])]
+        return (facts, f"Which variables are assigned the value {v}, directly or through other variables? "
+                       "List their names.", [n.split()[1] for n in names],
+                "The variables are " + ", ".join(names) + ".")
+    raise ValueError(f"unknown real-text family {family!r}; choose from {', '.join(FAMILIES)}")
+
+
+def generate(family: str, seed: int, length: int, tokenizer) -> TextInstance:
+    """One instance whose chat-rendered prompt is `length` tokens (+-2%)."""
+    rng = random.Random(f"real:{family}:{seed}")
+    facts, question, answers, solution = _facts(family, rng)
+    intro = "Read the text below carefully: some facts are hidden in it. Answer the question after it.\n\n"
+    ask = f"\n\nQuestion: {question} Answer briefly."
+
+    def render(filler: list[str], slots: list[int]) -> list[int]:
+        body = list(filler)
+        for pos, fact in sorted(zip(slots, facts), reverse=True):
+            body.insert(pos, fact)
+        content = intro + " ".join(body) + ask
+        return tokenizer.encode_chat([{"role": "user", "content": content}]), content
+
+    base = len(render([], [0] * len(facts))[0])
+    per = max(1.0, len(tokenizer.encode(" ".join(_sentence(random.Random(i)) for i in range(50)),
+                                        add_bos=False)) / 50)
+    n = max(len(facts), int((length - base) / per))
+    filler = [_sentence(rng) for _ in range(n)]
+    for _ in range(8):      # a few corrections: sentence lengths vary
+        # Facts keep their order (a variable chain must read forwards).
+        slots = sorted(rng.sample(range(len(filler) + 1), len(facts)))
+        ids, content = render(filler, slots)
+        err = length - len(ids)
+        if abs(err) <= 0.02 * length:
+            break
+        k = int(err / per)
+        if k > 0:
+            filler += [_sentence(rng) for _ in range(k)]
+        elif k < 0:
+            del filler[max(len(facts), len(filler) + k):]
+        else:
+            break
+    sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
+    return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
+                        prompt_ids=ids, solution_ids=sol, decoder=tokenizer)
+
+
+def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,
+             seed: int = 0) -> list[TextInstance]:
+    """n instances per (family, length); seeds depend on the test-set seed."""
+    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer)
+            for length in lengths for fam in (families or FAMILIES) for i in range(n)]
