@@ -70,7 +70,7 @@ class Harness:
         self.engine, self.sink, self.recent, self.bs, self.margin = engine, sink, recent, block_size, margin
         self.forcing = ForcingRunner(engine.runner)
         engine.runner = self.forcing
-        from services.compute.eviction import min_budget_blocks
+        from services.compute.budget import min_budget_blocks
         self.min_budget = min_budget_blocks(-(-sink // block_size), recent, block_size) * block_size
 
     def _make(self, rid: str, o: Outcome, forced: bool):

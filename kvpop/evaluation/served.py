@@ -22,7 +22,7 @@ class ServedHarness:
     def __init__(self, address: str, sink: int = 4, recent: int = 8, margin: int = 16, concurrency: int = 16,
                  timeout: float = 600.0):
         from kvpop.pb import generate_pb2, generate_pb2_grpc
-        from services.compute.eviction import min_budget_blocks
+        from services.compute.budget import min_budget_blocks
 
         self.pb = generate_pb2
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])

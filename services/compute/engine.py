@@ -24,9 +24,9 @@ import torch
 
 from services.compute import detokenize
 from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
-from services.compute.eviction import (EvictionParams, blocks_leaving_window, drop_outside_window,
-                                       eviction_round, overshoot, plan_problem, resident_block_features,
-                                       resolve_eviction, update_features, usable_plan)
+from services.compute.block_features import blocks_leaving_window, resident_block_features, update_features
+from services.compute.budget import EvictionParams, resolve_eviction
+from services.compute.eviction import drop_outside_window, eviction_round, overshoot, plan_problem, usable_plan
 from services.compute.kv_pool import KVPool
 from services.compute.model_runner import ModelRunner
 from services.compute.policies import LEARNED, get_policy

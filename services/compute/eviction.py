@@ -1,4 +1,4 @@
-"""Eviction: request parameters and the eviction round.
+"""The eviction round (budgets: budget.py; block features: block_features.py).
 
 Protection is decided here, once, for every policy: sink blocks, blocks that
 overlap the ``recent`` window and the newest (possibly partial) block are never
@@ -7,69 +7,13 @@ evicted. A round frees the same number of blocks in every (layer, kv-head) row
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from kvkernels import ops
-from services.compute.advisor import (CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED,
-                                      BlockFeatures, EvictionPlan)
+from services.compute.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
 from services.compute.kv_pool import KVPool
-from services.compute.policies import LEARNED, POLICY_NAMES
-from services.compute.sequence import EvictionState, Sequence
-
-
-# ---------------------------------------------------------------- parameters
-@dataclass(frozen=True)
-class EvictionParams:
-    policy: str = "dense"
-    budget: int | float | None = None  # tokens (int) or fraction of prompt + max_tokens (float)
-    sink: int = 4
-    recent: int = 32
-    block_size: int | None = None      # None: the engine's block size
-
-
-def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
-    """Smallest budget a round can always meet: every protected block
-    (sink, the blocks overlapping the recent window, the newest block) plus
-    the one block a decode step may add."""
-    return sink_blocks + max(math.ceil(recent / block_size), 1) + 1
-
-
-def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max_tokens: int,
-                     plan_slack_blocks: int = 2, cleanup_floor: float = 0.5) -> EvictionState:
-    if p.policy not in POLICY_NAMES:
-        raise ValueError(f"unknown policy {p.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
-    if p.block_size is not None and p.block_size != block_size:
-        raise ValueError(f"block_size {p.block_size} is not supported by this engine; "
-                         f"its KV pool uses block_size {block_size}")
-    if p.sink < 0 or p.recent < 0:
-        raise ValueError(f"sink ({p.sink}) and recent ({p.recent}) must be >= 0")
-    sink_blocks = math.ceil(p.sink / block_size)
-    minimum = min_budget_blocks(sink_blocks, p.recent, block_size)
-    if p.policy == "dense":
-        return EvictionState("dense", None, minimum, sink_blocks, p.recent)
-    if p.budget is None:
-        raise ValueError(f"policy {p.policy!r} needs a budget (tokens, or a fraction in (0, 1])")
-    if isinstance(p.budget, bool) or not isinstance(p.budget, (int, float)):
-        raise ValueError(f"budget must be an int (tokens) or a float fraction, got {p.budget!r}")
-    if isinstance(p.budget, float):
-        if not 0.0 < p.budget <= 1.0:
-            raise ValueError(f"fractional budget must be in (0, 1], got {p.budget}")
-        # A fraction of a short request may be smaller than the protected
-        # blocks; it is a relative request, so it is raised to the minimum.
-        blocks = max(minimum, int(p.budget * (prompt_len + max_tokens)) // block_size)
-    else:
-        blocks = p.budget // block_size
-        if blocks < minimum:
-            raise ValueError(
-                f"budget {p.budget} tokens is too small: with block_size {block_size}, sink {p.sink} "
-                f"and recent {p.recent} it must be at least {minimum * block_size} tokens "
-                f"(sink + recent + 1 block, in whole blocks)")
-    floor = max(minimum, math.ceil(blocks * cleanup_floor))
-    slack = plan_slack_blocks if p.policy == LEARNED else 0
-    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack)
+from services.compute.policies import LEARNED
+from services.compute.sequence import Sequence
 
 
 # ------------------------------------------------------------------- rounds
@@ -82,75 +26,6 @@ def protected_mask(seq: Sequence) -> torch.Tensor:
         prot |= bi >= (n - st.recent) // bs
     prot[..., -1] = True
     return prot
-
-
-def update_features(seq: Sequence, pool: KVPool) -> None:
-    """Key/value summaries of the blocks that became full in the last step
-    (they are still the trailing columns: rounds run after this)."""
-    bs, n = seq.block_size, seq.num_cached
-    full = n // bs
-    if full <= seq.feat_upto:
-        return
-    last = (n - 1) // bs
-    cols = torch.arange(seq.feat_upto, full, device=seq.page_table.device)
-    cols = seq.num_blocks - 1 - (last - cols)
-    pages = seq.page_table[:, :, cols]                                  # [L, Hkv, k]
-    km, vn = ops.block_features(pool.k_pages, pool.v_pages, pages.reshape(-1))
-    L, H, k = pages.shape
-    seq.key_mean[:, :, cols] = km.view(L, H, k, -1).to(seq.key_mean.device)
-    seq.value_norm[:, :, cols] = vn.view(L, H, k).to(seq.value_norm.device)
-    seq.feat_upto = full
-
-
-def blocks_leaving_window(seq: Sequence) -> list[BlockFeatures]:
-    """Features of blocks that just left the protected recent window: the
-    delayed decision point. They are resident in every row (never evicted
-    while protected)."""
-    st, bs, n = seq.eviction, seq.block_size, seq.num_cached
-    upto = max(0, (n - st.recent) // bs) if st.recent > 0 else n // bs
-    start = max(seq.sent_upto, st.sink_blocks)
-    out = []
-    for b in range(start, upto):
-        col = (seq.block_index < b).sum(-1, keepdim=True).long()       # [L, Hkv, 1]
-        gather = lambda t: t.gather(2, col).squeeze(2)
-        km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).squeeze(2)
-        out.append(BlockFeatures(seq.request_id, b, b * bs, km.cpu(), gather(seq.value_norm).cpu(),
-                                 gather(seq.acc_mass).cpu(), n - b * bs))
-    seq.sent_upto = max(seq.sent_upto, upto)
-    return out
-
-
-def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
-    """Features of every evictable block already sent, for an advisor that
-    lost them (it restarted, or a session's next turn has a new request id).
-    Rows that evicted a block get zeros for it; compute ignores plans' names
-    of blocks a row no longer holds."""
-    st, bs, n = seq.eviction, seq.block_size, seq.num_cached
-    upto = seq.sent_upto
-    first = st.sink_blocks
-    if upto <= first:
-        return []
-    L, H, NB = seq.block_index.shape
-    span = upto - first
-    idx = (seq.block_index.long() - first)
-    ok = (idx >= 0) & (idx < span)
-    idx = torch.where(ok, idx, torch.full_like(idx, span))           # one scratch column for the rest
-    dev, d = seq.key_mean.device, seq.head_dim
-    km = torch.zeros(L, H, span + 1, d, device=dev).scatter_(2, idx[..., None].expand(L, H, NB, d), seq.key_mean.float())
-    vn = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.value_norm.float())
-    att = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.acc_mass.float())
-    held = torch.zeros(L, H, span + 1, dtype=torch.bool, device=dev).scatter_(2, idx, ok)
-    present = held[..., :span].any(0).any(0).nonzero().flatten().tolist()
-    # What each row no longer holds, for the advisor to rank last (-1 pads the rows).
-    lost = ~held[..., :span]
-    k = int(lost.sum(-1).max()) if lost.numel() else 0
-    names = torch.arange(first, upto, device=dev).expand(L, H, span)
-    order = lost.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]
-    gone = torch.where(lost.gather(2, order), names.gather(2, order), torch.full_like(order, -1))
-    seq.gone = [gone.to(torch.int32).cpu()] if k else []
-    km, vn, att = km.cpu(), vn.cpu(), att.cpu()
-    return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
-                          n - (first + j) * bs) for j in present]
 
 
 def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,

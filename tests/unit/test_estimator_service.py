@@ -30,7 +30,7 @@ from kvpop.evaluation.local_advisor import LocalAdvisor
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
 from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.eviction import BlockFeatures
+from services.compute.advisor import BlockFeatures
 
 L, H, D = 2, 2, 16
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.eviction import min_budget_blocks
+from services.compute.budget import min_budget_blocks
 from services.compute.policies import POLICY_NAMES
 
 MODEL = tiny_model(seed=2)

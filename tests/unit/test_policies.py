@@ -5,8 +5,9 @@ import torch
 
 from kvkernels import ops
 from services.compute.advisor import EvictionPlan
-from services.compute.eviction import (EvictionState, evict_blocks, protected_mask,
-                                       update_features)
+from services.compute.block_features import update_features
+from services.compute.eviction import evict_blocks, protected_mask
+from services.compute.sequence import EvictionState
 from services.compute.kv_pool import KVPool
 from services.compute.policies import POLICIES, POLICY_NAMES, get_policy
 from services.compute.sampler import SamplingParams

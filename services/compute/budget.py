@@ -1,0 +1,62 @@
+"""A request's eviction parameters and what they resolve to: the budget in
+blocks per (layer, kv-head), the protected sink and recent window, the
+learned policy's plan slack. Everything is checked here, with one clear
+message per problem, before a sequence exists."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from services.compute.policies import LEARNED, POLICY_NAMES
+from services.compute.sequence import EvictionState
+
+
+@dataclass(frozen=True)
+class EvictionParams:
+    policy: str = "dense"
+    budget: int | float | None = None  # tokens (int) or fraction of prompt + max_tokens (float)
+    sink: int = 4
+    recent: int = 32
+    block_size: int | None = None      # None: the engine's block size
+
+
+def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
+    """Smallest budget a round can always meet: every protected block
+    (sink, the blocks overlapping the recent window, the newest block) plus
+    the one block a decode step may add."""
+    return sink_blocks + max(math.ceil(recent / block_size), 1) + 1
+
+
+def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max_tokens: int,
+                     plan_slack_blocks: int = 2, cleanup_floor: float = 0.5) -> EvictionState:
+    if p.policy not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {p.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
+    if p.block_size is not None and p.block_size != block_size:
+        raise ValueError(f"block_size {p.block_size} is not supported by this engine; "
+                         f"its KV pool uses block_size {block_size}")
+    if p.sink < 0 or p.recent < 0:
+        raise ValueError(f"sink ({p.sink}) and recent ({p.recent}) must be >= 0")
+    sink_blocks = math.ceil(p.sink / block_size)
+    minimum = min_budget_blocks(sink_blocks, p.recent, block_size)
+    if p.policy == "dense":
+        return EvictionState("dense", None, minimum, sink_blocks, p.recent)
+    if p.budget is None:
+        raise ValueError(f"policy {p.policy!r} needs a budget (tokens, or a fraction in (0, 1])")
+    if isinstance(p.budget, bool) or not isinstance(p.budget, (int, float)):
+        raise ValueError(f"budget must be an int (tokens) or a float fraction, got {p.budget!r}")
+    if isinstance(p.budget, float):
+        if not 0.0 < p.budget <= 1.0:
+            raise ValueError(f"fractional budget must be in (0, 1], got {p.budget}")
+        # A fraction of a short request may be smaller than the protected
+        # blocks; it is a relative request, so it is raised to the minimum.
+        blocks = max(minimum, int(p.budget * (prompt_len + max_tokens)) // block_size)
+    else:
+        blocks = p.budget // block_size
+        if blocks < minimum:
+            raise ValueError(
+                f"budget {p.budget} tokens is too small: with block_size {block_size}, sink {p.sink} "
+                f"and recent {p.recent} it must be at least {minimum * block_size} tokens "
+                f"(sink + recent + 1 block, in whole blocks)")
+    floor = max(minimum, math.ceil(blocks * cleanup_floor))
+    slack = plan_slack_blocks if p.policy == LEARNED else 0
+    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack)
