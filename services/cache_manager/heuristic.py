@@ -1,5 +1,5 @@
 """The policy the cache-manager runs until the learned network exists:
-h2o-style accumulated attention, normalised by how long the block has been
+accumulated attention (what h2o ranks by), normalised by how long the block has been
 attendable (older blocks had more queries to collect mass from), so a block
 is judged by the attention it gets per step rather than by its age."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from services.cache_manager.scoring_state import SequenceState
 
 
 class AttentionPerAge:
-    name = "h2o"
+    name = "attention_per_age"   # not h2o: h2o ranks by attention so far (compute's policy)
 
     def score(self, seq: SequenceState) -> np.ndarray:
         """[n, L, Hkv] importance of each known block; low = evict first."""

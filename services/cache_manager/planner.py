@@ -84,13 +84,13 @@ class Planner:
         from services.cache_manager.estimator import load
 
         if self.path is None:
-            msg = "no estimator configured: ranking blocks with the h2o attention-per-age heuristic"
+            msg = "no estimator configured: ranking blocks with the attention-per-age heuristic"
             log.info(msg)
             return msg
         try:
             model = load(self.path)
         except ValueError as e:
-            now = "the network from " + self.loaded if self.scorer else "the h2o attention-per-age heuristic"
+            now = "the network from " + self.loaded if self.scorer else "the attention-per-age heuristic"
             msg = f"estimator not loaded ({e}); ranking blocks with {now}"
             log.warning(msg)
             return msg

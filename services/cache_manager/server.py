@@ -6,7 +6,7 @@ failing the stream would drop the plans of every other sequence on it.
 
 Blocks are ranked by the value-estimation network loaded at start from
 ``KVPOP_ESTIMATOR`` (default: ``models/default/estimator.safetensors``), or by
-the h2o attention-per-age heuristic when there is no usable checkpoint.
+the attention-per-age heuristic when there is no usable checkpoint.
 SIGHUP reloads the checkpoint without a restart (new plans use it at once;
 a broken file keeps the current policy).
 """
