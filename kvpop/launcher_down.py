@@ -15,7 +15,7 @@ from pathlib import Path
 
 import shutil
 
-from kvpop.launcher import STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack, _died, default_state_dir
+from kvpop.stack import STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack, _died, default_state_dir
 
 
 def _signal(proc: Proc, sig: int) -> None:
