@@ -76,6 +76,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.model_info: generate_pb2.ModelInfo | None = None
         self.replica_id = cfg.replica_id or f"{cfg.host}:{cfg.port}"
         self.open_streams = 0
+        self.draining = False       # set at SIGTERM: the Serve stream stays open, but takes no new request
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the model and start the engine (runs in a worker thread)."""
@@ -204,6 +205,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         """One request's responses; raises Refusal for what Generate ends with a status."""
         if self.engine is None:
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if self.draining:
+            # Refused before anything streamed: the gateway moves it to another replica.
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"compute replica {self.replica_id} is draining")
         refused = self._refusal(request)
         if refused is not None:
             raise Refusal(*refused)
@@ -430,6 +434,7 @@ class ComputeApp:
             await asyncio.sleep(WATCH_PERIOD_S)
 
     async def drain(self) -> None:
+        self.servicer.draining = True
         if self.reporter is not None:
             await self.reporter.leave()
 

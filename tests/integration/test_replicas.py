@@ -195,6 +195,12 @@ async def _scenario(redis, reps: Replicas) -> None:
     async def a_gone():
         return "r-a" not in await ids()
     assert await wait_for(a_gone, 5, "r-a to deregister", step=0.005) - sent < 0.3
+    # A new request on r-a's still-open Serve stream is refused before anything
+    # streams (UNAVAILABLE: a router moves it), while its in-flight one goes on.
+    refused = router.open(request(4), timeout=10, pinned=router.target("r-a", reps.addresses["r-a"]))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await drain(refused)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
     assert 1 + await drain(it) == 400
     assert await asyncio.to_thread(reps.procs["r-a"].wait, 30) == 0
     await router.close()
