@@ -25,6 +25,11 @@ from kvpop.pb import compute_pb2, compute_pb2_grpc
 log = logging.getLogger(__name__)
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+# Stream-level statuses kept as they are; any other end of the stream means the
+# replica is unreachable (killed, restarted, a write on a dead connection fails
+# INTERNAL): UNAVAILABLE, so a request that had not started moves to another replica.
+_KEEP = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+         grpc.StatusCode.CANCELLED}
 
 
 def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -60,7 +65,8 @@ class _Stream:
                         del self.pending[ev.request_id]
                     queue.put_nowait(ev)
         except grpc.aio.AioRpcError as e:
-            error = e
+            error = e if e.code() in _KEEP else _error(
+                grpc.StatusCode.UNAVAILABLE, f"the stream to compute broke ({e.code().name}: {e.details()})")
         except asyncio.CancelledError:
             error = _error(grpc.StatusCode.CANCELLED, "the gateway closed the stream")
             raise
