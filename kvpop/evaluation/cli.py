@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
-                        "(h2o+recent50: H2O as its paper runs it)")
+                        "(h2o+recent50: H2O as its paper runs it); a trailing +after holds the budget from the end "
+                        "of the prompt on, not during prefill (the request's evict_after_prompt; kvpress's protocol)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--suite", choices=["tasks", "real"], default="tasks",
                    help="tasks: the default model's task families; real: long-context retrieval on real text "
@@ -87,13 +88,15 @@ def run(args) -> int:
         return 2
     if args.via:
         return run_via(args, policies, comps, families)
-    if "learned" in policies and not (model_dir / ESTIMATOR).is_file():
-        print(f"note: no {ESTIMATOR} in {model_dir}; skipping the 'learned' policy")
-        policies.remove("learned")
+    uses_network = [p for p in policies if policy_spec(p)[0] == "learned"]
+    if uses_network and not (model_dir / ESTIMATOR).is_file():
+        print(f"note: no {ESTIMATOR} in {model_dir}; skipping {', '.join(uses_network)}")
+        policies = [p for p in policies if p not in uses_network]
+        uses_network = []
     instances, lo, hi, n = test_instances(args, families)
 
     advisor = None
-    if "learned" in policies:   # the cache-manager's own scoring, in process (docs/estimator.md)
+    if uses_network:   # the cache-manager's own scoring, in process (docs/estimator.md)
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(model_dir)
         print(f"learned: {advisor.planner.loaded}")

@@ -24,11 +24,22 @@ class Setting:
     compression: float          # 0 = dense
 
 
+AFTER = "+after"
+
+
+def after_prompt(label: str) -> bool:
+    """"keydiff+after": the budget holds from the end of the prompt on (the
+    request's `evict_after_prompt`; kvpress's protocol), not during prefill."""
+    return label.endswith(AFTER)
+
+
 def policy_spec(label: str) -> tuple[str, float | None]:
     """"h2o+recent50" -> ("h2o", 0.5): the policy with a recent window of 50% of
     each request's budget instead of the run's fixed --recent (H2O's paper keeps
     half its budget for recent tokens). A plain name -> (name, None). The
-    served request is the same policy with `recent_tokens` set: no eval-only path."""
+    served request is the same policy with `recent_tokens` set: no eval-only path.
+    A trailing "+after" (see after_prompt) is not part of either."""
+    label = label.removesuffix(AFTER)
     name, _, rest = label.partition("+recent")
     if not rest:
         return label, None
@@ -85,7 +96,8 @@ class Harness:
             # The oracle rides on the streaming protection rules with its own scores.
             name = "streaming" if s.policy == "oracle" else policy_spec(s.policy)[0]
             recent = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
-            ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=recent, block_size=self.bs)
+            ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=recent, block_size=self.bs,
+                                after_prompt=after_prompt(s.policy))
         seq = self.engine.make_sequence(rid, inst.prompt_ids, sampling, ev)
         if s.policy == "oracle":
             seq.policy = OraclePolicy(inst.depends, self.bs)

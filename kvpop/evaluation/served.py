@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import grpc
 from tqdm import tqdm
 
-from kvpop.evaluation.harness import Outcome, Setting, budget_tokens, policy_spec, recent_tokens
+from kvpop.evaluation.harness import Outcome, Setting, after_prompt, budget_tokens, policy_spec, recent_tokens
 from kvpop.tasks.checker import is_correct
 
 
@@ -47,6 +47,7 @@ class ServedHarness:
             o.budget = budget_tokens(inst, s.compression, self.min_budget)
             req.budget_tokens = o.budget
             req.recent_tokens = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
+            req.evict_after_prompt = after_prompt(s.policy)
         return req
 
     def _run_one(self, o: Outcome) -> None:

@@ -18,6 +18,7 @@ class EvictionParams:
     sink: int = 4
     recent: int = 32
     block_size: int | None = None      # None: the engine's block size
+    after_prompt: bool = False         # hold the budget from the end of the prompt on (prefill in full)
 
 
 def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
@@ -59,4 +60,4 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
                 f"(sink + recent + 1 block, in whole blocks)")
     floor = max(minimum, math.ceil(blocks * cleanup_floor))
     slack = plan_slack_blocks if p.policy == LEARNED else 0
-    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack)
+    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, p.after_prompt)

@@ -70,7 +70,7 @@ def overshoot(seq: Sequence) -> int:
     """Blocks per row over the budget, leaving room for the block the next
     decode step may open (0 for dense sequences)."""
     st = seq.eviction
-    if st.budget_blocks is None:
+    if st.budget_blocks is None or (st.after_prompt and seq.in_prefill):
         return 0
     n, bs = seq.num_cached, seq.block_size
     target = st.budget_blocks - (1 if not seq.in_prefill and n % bs == 0 else 0)

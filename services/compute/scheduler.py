@@ -8,7 +8,9 @@ stalls the decodes). Sequences join and leave between steps.
 Admission is by reservation: a sequence reserves the most pages it can ever
 hold (its budgeted footprint), so a running sequence never runs out of pages
 and nothing is ever preempted. A budgeted sequence reserves its budget (plus
-slack and one block), not its prefill peak: the blocks a prefill chunk puts
+slack and one block), not its prefill peak (except a request that asks for
+the budget after its prompt: it reserves the whole prompt until the round
+that follows its prefill): the blocks a prefill chunk puts
 over budget, until its round evicts them (a learned one may wait for its
 plan), come from one shared **overshoot headroom** of a few chunks, and a chunk
 is only scheduled when all sequences' overshoot still fits in it. So
@@ -70,17 +72,27 @@ class Scheduler:
         return self.base_blocks(seq) * self.rows
 
     @staticmethod
-    def base_blocks(seq: Sequence) -> int:
-        """A budgeted sequence's blocks outside prefill overshoot: the budget, the
-        decode slack of a learned sequence, and the block a decode step opens."""
+    def budget_blocks(seq: Sequence) -> int:
+        """The budget, the decode slack of a learned sequence, and the block a decode step opens."""
         st = seq.eviction
         return min(Scheduler.dense_blocks(seq), st.budget_blocks + st.slack_blocks + 1)
+
+    @staticmethod
+    def base_blocks(seq: Sequence) -> int:
+        """A budgeted sequence's blocks outside prefill overshoot: its budget_blocks,
+        or its whole prompt while it asks for the budget after its prompt and
+        the round that follows its prefill has not run yet."""
+        base = Scheduler.budget_blocks(seq)
+        if seq.eviction.after_prompt and (seq.in_prefill or seq.num_blocks > base):
+            # Until the round after its prompt evicts it down, it holds the whole prompt.
+            return max(base, math.ceil(seq.num_prompt / seq.block_size) + 1)
+        return base
 
     def may_overshoot(self, seq: Sequence) -> bool:
         """Whether ``seq`` can ever hold more than its base (its budget is below its length)."""
         if seq.eviction.budget_blocks is None:
             return False
-        return self.base_blocks(seq) < self.dense_blocks(seq)
+        return self.budget_blocks(seq) < self.dense_blocks(seq)
 
     def headroom_used(self, seq: Sequence) -> int:
         """Blocks per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""

@@ -33,6 +33,9 @@ class EvictionState:
     sink_blocks: int
     recent: int                    # tokens
     slack_blocks: int = 0          # learned only: overrun allowed while waiting for a plan
+    # The budget holds from the end of the prompt on: the prompt is prefilled
+    # in full (its pages reserved), then one round evicts it down (kvpress-style).
+    after_prompt: bool = False
 
 
 @dataclass(eq=False)  # identity semantics: a sequence is compared by object, never by tensors

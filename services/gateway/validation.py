@@ -108,6 +108,7 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
             if not 0 <= value <= info.max_model_len:
                 raise Invalid(f"{name} must be in [0, {info.max_model_len}] (the model's max length), got {value}")
             setattr(ev, name, value)
+    ev.evict_after_prompt = req.evict_after_prompt
 
     for name in ("session_id", "request_id"):
         value = getattr(req, name)

@@ -1,0 +1,91 @@
+"""`evict_after_prompt`: the budget holds from the end of the prompt on. The
+prompt is prefilled in full (its pages reserved), its first token sees all of
+it, then one round brings every row down to the budget; by default the
+budget holds during prefill too (bounded peak)."""
+import math
+
+import pytest
+
+from helpers_engine import ScriptedAdvisor, dense_greedy, random_prompt, tiny_engine, tiny_model
+from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from services.compute.engine import EvictionParams, SamplingParams
+
+BS, BUDGET, PROMPT = 4, 32, 120
+SP = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=3)
+
+
+def trace(engine, ev):
+    """Step a lone request to the end: (tokens, [(in_prefill, tokens out, blocks per row)] after every step, usage)."""
+    engine.add_request("r", random_prompt(PROMPT, seed=5), SP, ev)
+    tokens, seen, usage = [], [], None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens.append(o.token_id)
+            if o.finished:
+                usage = o.usage
+        seq = engine.seqs.get("r")
+        if seq is not None:
+            seen.append((seq.in_prefill, len(seq.output_ids), seq.num_blocks))
+    assert engine.pool.num_free == engine.pool.capacity
+    return tokens, seen, usage
+
+
+@pytest.mark.parametrize("policy", ["h2o", "keydiff", "learned"])
+def test_budget_after_prompt_keeps_the_whole_prompt_then_evicts_once(model, policy):
+    advisor = ScriptedAdvisor() if policy == "learned" else None
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, advisor=advisor)
+    ev = EvictionParams(policy, budget=BUDGET, sink=4, recent=8, after_prompt=True)
+    tokens, seen, usage = trace(engine, ev)
+    prompt_blocks = math.ceil(PROMPT / BS)
+    during = [n for pre, _, n in seen if pre]
+    # From the second token on (a learned sequence waits for its plan after the last chunk).
+    after = [n for pre, out, n in seen if out >= 2]
+    # Nothing is evicted while the prompt goes in: every chunk adds its blocks.
+    assert during == sorted(during) and during[-1] > BUDGET // BS
+    assert engine.pool.peak_used >= prompt_blocks * engine.scheduler.rows
+    # Once it is in, the budget holds (plus a learned sequence's decode slack).
+    slack = engine.config.plan_slack_blocks if policy == "learned" else 0
+    assert max(after) <= BUDGET // BS + slack
+    # The first token saw the whole prompt: it is the dense first token.
+    assert tokens[0] == dense_greedy(model, random_prompt(PROMPT, seed=5), 1)[0]
+    assert usage.kv_blocks_evicted > 0
+    if policy == "learned":
+        assert usage.network_evictions == usage.kv_blocks_evicted, usage
+
+
+def test_budget_during_prefill_bounds_the_peak(model):
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+    _, seen, _ = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
+    chunk_blocks = 16 // BS
+    assert max(n for _, _, n in seen) <= BUDGET // BS + chunk_blocks
+    assert engine.pool.peak_used < math.ceil(PROMPT / BS) * engine.scheduler.rows
+
+
+def test_after_prompt_reserves_the_prompt_at_admission(model):
+    """A pool too small for the whole prompt refuses an after-prompt request
+    that fits when the budget holds during prefill (the peak is the price)."""
+    rows = 2 * 2
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, num_pages=24 * rows)
+    prompt = random_prompt(PROMPT, seed=5)
+    engine.add_request("during", prompt, SP, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
+    with pytest.raises(ValueError, match="KV pages"):
+        engine.add_request("after", prompt, SP, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8,
+                                                              after_prompt=True))
+
+
+def test_gateway_passes_evict_after_prompt_to_compute():
+    from kvpop.pb import generate_pb2
+    from kvpop.config import GatewayConfig
+    from services.gateway.validation import validate
+
+    info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)
+    req = generate_pb2.GenerateRequest(prompt="hi", policy="h2o", budget_tokens=64, evict_after_prompt=True)
+    assert validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+    req.evict_after_prompt = False
+    assert not validate(req, GatewayConfig(), info).eviction.evict_after_prompt
