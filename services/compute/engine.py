@@ -33,7 +33,7 @@ from services.compute.policies import LEARNED, get_policy
 from services.compute.prefix_cache import PrefixCache
 from services.compute.sampler import SamplingParams, make_generator, sample
 from services.compute.scheduler import Scheduler
-from services.compute.session_cache import SessionCache, SessionNotParked
+from services.compute.session_cache import SessionCache
 from services.compute.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -192,24 +192,8 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise ValueError(f"request id {seq.request_id!r} is already running")
         sid = seq.sampling.session_id
-        parked = self.sessions.claim(sid) if sid is not None and not seq.session_claim else None
-        if parked is None and seq.sampling.resume_session and not seq.session_claim:
-            # Never start fresh a turn tokenized as a continuation (it may have expired since the check).
-            raise SessionNotParked(f"session {sid!r} is no longer parked here")
-        if parked is not None:
-            context = parked.tokens + seq.prompt_ids
-            if len(context) + seq.sampling.max_tokens > self.max_model_len:
-                self.sessions.unclaim(sid)
-                raise ValueError(f"session {sid!r} holds {len(parked.tokens)} tokens; with this prompt "
-                                 f"({seq.num_prompt}) and max_tokens ({seq.sampling.max_tokens}) it exceeds "
-                                 f"the model's max length {self.max_model_len}")
-            # Tokens now, pages at admission (until then the session's pages stay counted as held).
-            seq.session_base, seq.session_claim = len(parked.tokens), True
-            if parked.eviction.budget_blocks is None:   # its leading blocks are still the cached ones
-                seq.prefix_blocks = parked.prefix_blocks  # (set now: admission reserves with it)
-            seq.prompt_ids = context
-            seq.tokens = list(context)
-            seq.advisor_epoch = -1   # a new request id: the advisor knows none of its blocks yet
+        if sid is not None and not seq.session_claim:
+            self.sessions.continue_turn(seq, self.max_model_len)
         try:
             self.scheduler.add(seq)
         except ValueError:
@@ -237,40 +221,10 @@ class LLMEngine:
             return self.sessions.drop(session_id)
 
     def _on_admit(self, seq: Sequence) -> None:
-        """A fresh sequence starts from the longest cached prefix of its prompt
-        (leaving at least one token to prefill, for its logits). A budgeted one
-        takes at most its budget of blocks, and only blocks with statistics."""
         if seq.session_claim:
-            self._restore_session(seq)
-            return
-        cache = self.prefix_cache
-        if cache is None or seq.num_cached or seq.num_blocks:
-            return
-        limit = (seq.num_prompt - 1) // seq.block_size
-        budgeted = seq.eviction.budget_blocks is not None and not seq.prewarm
-        if budgeted:
-            limit = min(limit, seq.eviction.budget_blocks)
-        blocks = cache.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=False)
-        # Admission reserved for the sequence as it was; sharing may only lower that
-        # (it can raise it for a sliding-window model, whose dense rows otherwise stay small).
-        before = self.scheduler.reservation(seq)
-        seq.prefix_blocks = len(blocks)
-        if self.scheduler.reservation(seq) > before:
-            seq.prefix_blocks, blocks = 0, []
-        if not seq.prewarm:
-            cache.count(seq.num_prompt, len(blocks))
-        cache.attach(seq, blocks)
-
-    def _restore_session(self, seq: Sequence) -> None:
-        old = self.sessions.take(seq.sampling.session_id)
-        seq.session_claim = False
-        for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
-                     "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
-            setattr(seq, name, getattr(old, name))
-        if seq.eviction.budget_blocks is not None:
-            # A turn may bring a smaller budget than the parked KV holds (e.g. after
-            # a dense turn): back within it now, as its reservation assumes.
-            eviction_round(seq, self.pool)
+            self.sessions.restore(seq, self.pool)
+        elif self.prefix_cache is not None:
+            self.prefix_cache.admit(seq, self.scheduler.reservation)
 
     def prewarm(self, prompts) -> int:
         """Prefill prompt prefixes into the prefix cache: one prompt (token

@@ -75,6 +75,28 @@ class PrefixCache:
             self.count(len(tokens), len(found))
         return found
 
+    def admit(self, seq: Sequence, reservation) -> None:
+        """A fresh sequence starts from the longest cached prefix of its prompt
+        (leaving at least one token to prefill, for its logits). A budgeted one
+        takes at most its budget of blocks, and only blocks with statistics.
+        ``reservation(seq)``: pages the scheduler reserves for it."""
+        if seq.num_cached or seq.num_blocks:
+            return
+        limit = (seq.num_prompt - 1) // seq.block_size
+        budgeted = seq.eviction.budget_blocks is not None and not seq.prewarm
+        if budgeted:
+            limit = min(limit, seq.eviction.budget_blocks)
+        blocks = self.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=False)
+        # Admission reserved for the sequence as it was; sharing may only lower that
+        # (it can raise it for a sliding-window model, whose dense rows otherwise stay small).
+        before = reservation(seq)
+        seq.prefix_blocks = len(blocks)
+        if reservation(seq) > before:
+            seq.prefix_blocks, blocks = 0, []
+        if not seq.prewarm:
+            self.count(seq.num_prompt, len(blocks))
+        self.attach(seq, blocks)
+
     def count(self, prompt_tokens: int, hit_blocks: int) -> None:
         self.queries += 1
         self.query_tokens += prompt_tokens

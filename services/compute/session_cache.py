@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+from services.compute.eviction import eviction_round
 from services.compute.kv_pool import KVPool
 from services.compute.sequence import Sequence
 
@@ -53,6 +54,43 @@ class SessionCache:
         if seq is not None:
             self.claimed.add(session_id)
         return seq
+
+    def continue_turn(self, seq: Sequence, max_model_len: int) -> None:
+        """A new turn of ``seq.sampling.session_id``: if that session is parked,
+        claim it and make ``seq``'s prompt its whole context (tokens now, pages
+        at admission: until then the session's pages stay counted as held);
+        else ``seq`` starts the session, unless it was tokenized as a
+        continuation (SessionNotParked: never start such a turn fresh)."""
+        sid = seq.sampling.session_id
+        parked = self.claim(sid)
+        if parked is None:
+            if seq.sampling.resume_session:
+                raise SessionNotParked(f"session {sid!r} is no longer parked here")
+            return
+        context = parked.tokens + seq.prompt_ids
+        if len(context) + seq.sampling.max_tokens > max_model_len:
+            self.unclaim(sid)
+            raise ValueError(f"session {sid!r} holds {len(parked.tokens)} tokens; with this prompt "
+                             f"({seq.num_prompt}) and max_tokens ({seq.sampling.max_tokens}) it exceeds "
+                             f"the model's max length {max_model_len}")
+        seq.session_base, seq.session_claim = len(parked.tokens), True
+        if parked.eviction.budget_blocks is None:   # its leading blocks are still the cached ones
+            seq.prefix_blocks = parked.prefix_blocks  # (set now: admission reserves with it)
+        seq.prompt_ids = context
+        seq.tokens = list(context)
+        seq.advisor_epoch = -1   # a new request id: the advisor knows none of its blocks yet
+
+    def restore(self, seq: Sequence, pool: KVPool) -> None:
+        """At admission: ``seq`` takes over its parked session's pages and statistics."""
+        old = self.take(seq.sampling.session_id)
+        seq.session_claim = False
+        for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
+                     "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
+            setattr(seq, name, getattr(old, name))
+        if seq.eviction.budget_blocks is not None:
+            # A turn may bring a smaller budget than the parked KV holds (e.g. after
+            # a dense turn): back within it now, as its reservation assumes.
+            eviction_round(seq, pool)
 
     def unclaim(self, session_id: str) -> None:
         self.claimed.discard(session_id)
