@@ -172,3 +172,84 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
             ex["depends"] = np.asarray(inst.depends, np.int64)   # prompt positions the answer needs
             out.append(ex)
     return out
+
+
+# Real-text instances for training come from seeds no test set uses (test sets
+# draw seed * 100_000 + length * 10 + i, far below this).
+REAL_TRAIN_SEED_BASE = 1_000_000_000
+
+
+def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str) -> list[dict]:
+    """items: iterable of (family, prompt ids, continuation ids, depends) -> traces."""
+    from tqdm import tqdm
+
+    out = []
+    for fam, prompt, cont, deps in tqdm(items, desc=desc, disable=not progress, dynamic_ncols=True, mininterval=2):
+        ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng)
+        if ex is not None:
+            ex["family"] = fam
+            if deps is not None:
+                ex["depends"] = np.asarray(deps, np.int64)
+            out.append(ex)
+    return out
+
+
+def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 512,
+                max_len: int = 2048, progress: bool = True) -> list[dict]:
+    """Traces of ``n`` real-text retrieval instances (kvpop/tasks/ruler.py, every
+    family in turn, from training seeds), chat-rendered for ``model``'s
+    template, each the prompt followed by the reference answer."""
+    from kvpop.tasks import ruler
+
+    rng = random.Random(f"estimator-real-traces:{seed}")
+    fams = list(ruler.FAMILIES)
+
+    def items():
+        for i in range(n):
+            inst = ruler.generate(fams[i % len(fams)], REAL_TRAIN_SEED_BASE + seed * 1_000_000 + i,
+                                  rng.randint(min_len, max_len), tokenizer)
+            yield inst.family, inst.prompt_ids, inst.solution_ids, None
+    return _trace_all(model, _sized(items(), n), cfg_choices, rng, progress, "real-text traces")
+
+
+def prompt_file_traces(model, tokenizer, path, cfg_choices: list[TraceConfig], seed: int = 0,
+                       progress: bool = True) -> list[dict]:
+    """Traces of a user's own prompts: a JSONL file whose lines hold ``prompt``
+    (text, completed as it is) or ``messages`` (a chat, rendered with the
+    model's template), and optionally ``completion`` (text that follows: the
+    answer the traces' targets look at; without it only the prompt's own
+    later queries define a block's future need)."""
+    import json
+
+    rows = []
+    with open(path) as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{k}: not JSON ({e})") from None
+            if "messages" in row:
+                prompt = tokenizer.encode_chat(row["messages"])
+            elif "prompt" in row:
+                prompt = tokenizer.encode(row["prompt"])
+            else:
+                raise ValueError(f"{path}:{k}: needs 'prompt' or 'messages'")
+            cont = tokenizer.encode(row["completion"], add_bos=False) if row.get("completion") else []
+            rows.append(("prompts", prompt, cont, None))
+    rng = random.Random(f"estimator-file-traces:{seed}")
+    return _trace_all(model, rows, cfg_choices, rng, progress, "prompt-file traces")
+
+
+class _sized:
+    """A generator with a length (for the progress bar)."""
+
+    def __init__(self, it, n: int):
+        self.it, self.n = it, n
+
+    def __iter__(self):
+        return iter(self.it)
+
+    def __len__(self) -> int:
+        return self.n

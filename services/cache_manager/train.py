@@ -33,7 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="served model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--out", default=None, help="checkpoint path (default: MODEL/estimator.safetensors)")
-    p.add_argument("--n", type=int, default=160, help="task instances to trace (TRAIN seeds)")
+    p.add_argument("--suite", choices=("tasks", "real"), default="tasks",
+                   help="what to trace: tasks (the default model's task families) or real (long-context "
+                        "retrieval on real text for a chat model, as `kvpop eval --suite real`, training seeds)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help="trace your own prompts instead: one JSON object per line with 'prompt' or 'messages', "
+                        "and optionally 'completion'")
+    p.add_argument("--n", type=int, default=160, help="instances to trace (TRAIN seeds)")
     p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget")
     p.add_argument("--block-sizes", default="1,16", help="block sizes to trace (one drawn per sequence)")
     p.add_argument("--recent", default="8,32", help="recent windows to trace (one drawn per sequence)")
@@ -293,7 +299,21 @@ def run(args) -> int:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
                               target=args.target, decode_only=args.decode_only)
                    for b in bss for r in recents]
-        data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
+        if args.prompts or args.suite == "real":
+            from services.cache_manager.traces import prompt_file_traces, real_traces
+            from services.compute.tokenizer import Tokenizer
+            tok = Tokenizer(model_dir)
+            try:
+                data = (prompt_file_traces(lm, tok, args.prompts, choices, args.seed) if args.prompts else
+                        real_traces(lm, tok, args.n, choices, args.seed, args.min_len, args.max_len))
+            except (OSError, ValueError) as e:
+                print(f"cannot trace: {e}")
+                return 2
+        else:
+            data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
+        if len(data) < 2:
+            print(f"only {len(data)} usable traces (prompts too short for sink + recent?): need at least 2")
+            return 2
         if cache is not None:
             torch.save(data, cache)
     n_val = max(1, len(data) // 8)
@@ -306,7 +326,7 @@ def run(args) -> int:
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
     history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0)
     ev = evaluate(net, val_data)
-    cfg.trained = {"model": str(model_dir), "traces": len(data), "steps": history[-1][0] if history else 0,
+    cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "held_out": ev}
     save(net, out)
