@@ -2,6 +2,8 @@
 straight from ModelConfig, engines around them, and the no-cache reference."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -129,3 +131,47 @@ class ScriptedAdvisor:
         with self._lock:
             self._blocks.pop(request_id, None)
             self._due.pop(request_id, None)
+
+
+def check_invariants(engine):
+    """Between two steps: every running row within its budget (+ slack, + the
+    whole prompt for evict-after-prompt, + a chunk while held for a plan),
+    sink / recent window / newest block resident, rows sorted without
+    duplicates, no page held twice, pool accounting equal to the page tables,
+    and pages held within what admission reserved."""
+    held = []
+    for seq in engine.seqs.values():
+        if seq.status.value != "running":
+            continue
+        st_ = seq.eviction
+        bi = seq.block_index.reshape(-1, seq.num_blocks) if seq.num_blocks else None
+        held.append(seq.page_table.reshape(-1))
+        if bi is None:
+            continue
+        if st_.budget_blocks is not None:
+            # A learned sequence held for its plan keeps its last prefill chunk until the plan comes.
+            chunk = math.ceil(engine.config.prefill_chunk / seq.block_size) + 1 if seq.holding else 0
+            base = engine.scheduler.base_blocks(seq) if st_.after_prompt else st_.budget_blocks + st_.slack_blocks
+            assert seq.num_blocks <= base + chunk, (st_, seq.num_blocks)
+        assert bool((bi[:, 1:] > bi[:, :-1]).all()), "rows sorted, no duplicates"
+        if st_.budget_blocks is None and engine.model.config.sliding_window:
+            continue   # dense rows of a sliding-window model drop what the window left (sink included)
+        n, bs = seq.num_cached, seq.block_size
+        last = (n - 1) // bs
+        must = set(range(min(st_.sink_blocks, last + 1)))
+        if st_.recent:
+            must |= set(range(max(0, (n - st_.recent) // bs), last + 1))
+        must.add(last)
+        for row in bi.tolist():
+            assert must <= set(row), (must - set(row), st_)
+    sch = engine.scheduler
+    running = [s for s in sch.running if s.num_blocks]
+    if running:
+        # Prefill overshoot of all budgeted sequences together fits the shared headroom,
+        # so the pages held never exceed what admission reserved.
+        assert sum(sch.headroom_used(s) for s in running) <= sch.headroom_blocks(running[0].block_size)
+        assert sum(s.page_table.numel() for s in running) <= sch.reserved()
+    pages = torch.cat(held) if held else torch.empty(0, dtype=torch.int32)
+    assert pages.numel() == pages.unique().numel(), "a page is held twice"
+    assert bool((pages > 0).all()), "page 0 is never handed out"
+    assert engine.pool.num_used == pages.numel(), "pool accounting matches page tables"

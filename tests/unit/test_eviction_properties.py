@@ -1,6 +1,8 @@
 """Property test: random prompt lengths, budgets, block sizes, policies,
 joins and cancellations. Between every two steps:
-- no (layer, kv-head) row holds more than its budget (+ slack for learned);
+- no (layer, kv-head) row holds more than its budget (+ slack for learned;
+  the whole prompt until its round for a request that asks for the budget
+  after its prompt);
 - sink blocks and blocks overlapping the recent window are all resident;
 - rows are strictly increasing block numbers, no page is held twice, and the
   pool's used count equals the pages held by live sequences;
@@ -11,11 +13,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine, tiny_model
+from helpers_engine import ScriptedAdvisor, check_invariants, random_prompt, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine import EvictionParams, SamplingParams
 from services.compute.budget import min_budget_blocks
@@ -39,6 +40,7 @@ def request(draw, block_size):
         sink=sink, recent=recent,
         join_step=draw(st.integers(0, 6)),
         cancel_step=draw(st.one_of(st.none(), st.integers(1, 20))),
+        after_prompt=draw(st.booleans()),
     )
 
 
@@ -48,42 +50,6 @@ def scenario(draw):
     return dict(block_size=bs, prefill_chunk=draw(st.sampled_from([3, 8, 16, 64])),
                 advisor=draw(st.sampled_from(["prompt", "late", "silent", "none"])),
                 requests=draw(st.lists(request(bs), min_size=1, max_size=6)))
-
-
-def check_invariants(engine):
-    held = []
-    for seq in engine.seqs.values():
-        if seq.status.value != "running":
-            continue
-        st_ = seq.eviction
-        bi = seq.block_index.reshape(-1, seq.num_blocks) if seq.num_blocks else None
-        held.append(seq.page_table.reshape(-1))
-        if bi is None:
-            continue
-        if st_.budget_blocks is not None:
-            # A learned sequence held for its plan keeps its last prefill chunk until the plan comes.
-            chunk = math.ceil(engine.config.prefill_chunk / seq.block_size) + 1 if seq.holding else 0
-            assert seq.num_blocks <= st_.budget_blocks + st_.slack_blocks + chunk, (st_, seq.num_blocks)
-        assert bool((bi[:, 1:] > bi[:, :-1]).all()), "rows sorted, no duplicates"
-        n, bs = seq.num_cached, seq.block_size
-        last = (n - 1) // bs
-        must = set(range(min(st_.sink_blocks, last + 1)))
-        if st_.recent:
-            must |= set(range(max(0, (n - st_.recent) // bs), last + 1))
-        must.add(last)
-        for row in bi.tolist():
-            assert must <= set(row), (must - set(row), st_)
-    sch = engine.scheduler
-    running = [s for s in sch.running if s.num_blocks]
-    if running:
-        # Prefill overshoot of all budgeted sequences together fits the shared headroom,
-        # so the pages held never exceed what admission reserved.
-        assert sum(sch.headroom_used(s) for s in running) <= sch.headroom_blocks(running[0].block_size)
-        assert sum(s.page_table.numel() for s in running) <= sch.reserved()
-    pages = torch.cat(held) if held else torch.empty(0, dtype=torch.int32)
-    assert pages.numel() == pages.unique().numel(), "a page is held twice"
-    assert bool((pages > 0).all()), "page 0 is never handed out"
-    assert engine.pool.num_used == pages.numel(), "pool accounting matches page tables"
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -102,7 +68,7 @@ def test_budget_protection_and_pages_return(sc):
                 engine.add_request(str(i), r["prompt"],
                                    SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
                                    EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"],
-                                                  recent=r["recent"]))
+                                                  recent=r["recent"], after_prompt=r["after_prompt"]))
             if r["cancel_step"] == step:
                 engine.abort(str(i))
         for out in engine.step():
@@ -128,7 +94,8 @@ def test_tight_pool_never_runs_out_of_pages(sc, num_pages, threshold):
     for i, r in enumerate(sc["requests"]):
         try:
             engine.add_request(str(i), r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
-                               EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"], recent=r["recent"]))
+                               EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"], recent=r["recent"],
+                                              after_prompt=r["after_prompt"]))
             admitted.add(str(i))
         except ValueError as e:
             assert "KV pages" in str(e)
