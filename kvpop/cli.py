@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("kvpop.tasks.cli", "print or dump reasoning-task instances"),
     "train-model": ("kvpop.training.train_model", "train the embedded default model"),
     "eval": ("kvpop.evaluation.cli", "eviction-quality evaluation of policies"),
-    "train-estimator": ("services.cache_manager.train", "train the value-estimation network"),
+    "train-estimator": ("kvpop.training.train_estimator", "train the value-estimation network"),
 }
 
 

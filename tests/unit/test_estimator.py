@@ -158,7 +158,7 @@ def _synthetic(n_seq, rng):
 
 
 def test_training_learns_a_known_ranking():
-    from services.cache_manager.train import evaluate, train
+    from kvpop.training.train_estimator import evaluate, train
 
     rng = np.random.default_rng(0)
     tr, va = _synthetic(48, rng), _synthetic(8, rng)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers_engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
-from services.cache_manager.traces import TraceConfig, step_ends, submission_times, trace
+from kvpop.training.traces import TraceConfig, step_ends, submission_times, trace
 from services.compute.engine import EvictionParams, SamplingParams
 
 

@@ -12,12 +12,6 @@ REPO = Path(__file__).resolve().parents[2]
 # kvpop's runtime modules: what every service may use. The rest of kvpop is tools.
 RUNTIME = {"arrays", "config", "gguf_convert", "grpc_server", "healthcheck", "metrics", "model_store", "paths",
            "pb", "prewarm", "redis_client", "registry", "security", "store", "telemetry"}
-# Still to move to the tools (issue "Structure"): the estimator's training reads
-# compute's loader and the task generators. Nothing may join this list.
-KNOWN = {("services.cache_manager.train", "services.compute"), ("services.cache_manager.traces", "kvpop.tasks"),
-         ("services.cache_manager.traces", "kvpop.training")}
-
-
 def _layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "kvkernels":
@@ -27,12 +21,6 @@ def _layer(module: str) -> str:
     if parts[0] == "kvpop":
         return "runtime" if len(parts) == 1 or parts[1] in RUNTIME else "tools"
     return "external"
-
-
-def _unit(module: str) -> str:
-    """The importable unit a rule names: services.<name>, kvpop.<name>, kvkernels."""
-    parts = module.split(".")
-    return ".".join(parts[:2]) if parts[0] in ("services", "kvpop") and len(parts) > 1 else parts[0]
 
 
 def _imports():
@@ -64,14 +52,7 @@ def _allowed(src: str, dst: str) -> bool:
 
 def test_nothing_imports_a_higher_layer_or_another_service():
     bad = sorted({(src, dst) for src, dst in _imports() if not _allowed(src, dst)})
-    new = [(s, d) for s, d in bad if (s, _unit(d)) not in KNOWN]
-    assert not new, "imports across layers:\n" + "\n".join(f"  {s} -> {d}" for s, d in new)
-
-
-def test_the_known_exceptions_still_exist():
-    # Once training moves to the tools, drop its lines from KNOWN (this fails to say so).
-    seen = {(s, _unit(d)) for s, d in _imports() if not _allowed(s, d)}
-    assert KNOWN <= seen, sorted(KNOWN - seen)
+    assert not bad, "imports across layers:\n" + "\n".join(f"  {s} -> {d}" for s, d in bad)
 
 
 def test_the_rule_catches_a_violation():

@@ -270,7 +270,7 @@ def run(args) -> int:
     import torch
 
     from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, save
-    from services.cache_manager.traces import TraceConfig, task_traces
+    from kvpop.training.traces import TraceConfig, task_traces
     from services.compute.loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -300,7 +300,7 @@ def run(args) -> int:
                               target=args.target, decode_only=args.decode_only)
                    for b in bss for r in recents]
         if args.prompts or args.suite == "real":
-            from services.cache_manager.traces import prompt_file_traces, real_traces
+            from kvpop.training.traces import prompt_file_traces, real_traces
             from services.compute.tokenizer import Tokenizer
             tok = Tokenizer(model_dir)
             try:
