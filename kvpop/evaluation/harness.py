@@ -83,6 +83,16 @@ class Harness:
         engine.runner = self.forcing
         from services.compute.budget import min_budget_blocks
         self.min_budget = min_budget_blocks(-(-sink // block_size), recent, block_size) * block_size
+        self._oracle_attention: dict = {}
+
+    def _answer_attention(self, inst):
+        """The oracle's view of the future, one dense forward per instance."""
+        key = (inst.family, inst.seed, len(inst.prompt_ids))
+        if key not in self._oracle_attention:
+            from kvpop.evaluation.oracle import answer_attention
+            self._oracle_attention[key] = answer_attention(self.engine.model, inst.prompt_ids + inst.solution_ids,
+                                                           len(inst.prompt_ids))
+        return self._oracle_attention[key]
 
     def _make(self, rid: str, o: Outcome, forced: bool):
         from services.compute.engine import EvictionParams, SamplingParams
@@ -100,7 +110,7 @@ class Harness:
                                 after_prompt=after_prompt(s.policy))
         seq = self.engine.make_sequence(rid, inst.prompt_ids, sampling, ev)
         if s.policy == "oracle":
-            seq.policy = OraclePolicy(inst.depends, self.bs)
+            seq.policy = OraclePolicy(inst.depends, self.bs, self._answer_attention(inst))
         if forced:
             self.forcing.forced[rid] = sol
         return seq

@@ -60,7 +60,7 @@ def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig) -> np.ndar
     return t_sub
 
 
-class _Recorder:
+class AttentionRecorder:
     """AttentionFn for TransformerModel.forward that also hands each layer's
     probabilities [Hq, T, T] (chunked over queries) and K/V to a callback."""
 
@@ -139,7 +139,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
                 fut = (C[:, e, blocks[:k_]] - C[:, s0, blocks[:k_]]) / (e - s0)   # [Hq, k]
             targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
 
-    rec = _Recorder(on_layer, cfg.query_chunk)
+    rec = AttentionRecorder(on_layer, cfg.query_chunk)
     x = torch.as_tensor(ids, dtype=torch.long, device=model.device)
     model(x, torch.arange(T, device=model.device), rec)
     return {

@@ -11,7 +11,7 @@ import torch
 
 from kvpop.evaluation import report
 from kvpop.evaluation.harness import Harness, Outcome, Setting, budget_tokens, policy_spec
-from kvpop.evaluation.oracle import OraclePolicy
+from kvpop.evaluation.oracle import OraclePolicy, answer_attention
 from kvpop.tasks import generate, suite
 from kvpop.tasks.checker import is_correct
 from kvpop.tasks.vocab import WORDS, decode_ids, save_tokenizer
@@ -84,6 +84,40 @@ def test_oracle_keeps_dependency_blocks_under_tight_budget(tiny_dir):
     assert {p // 2 for p in inst.depends} <= resident
     assert all(set(seq.block_index[l, h].tolist()) == resident
                for l in range(seq.block_index.shape[0]) for h in range(seq.block_index.shape[1]))
+
+
+def test_oracle_ranks_each_row_by_the_dense_answers_attention(tiny_dir):
+    """Without a dependency list, each (layer, kv-head) row keeps its protected
+    blocks and, of the rest, those the dense answer attends to most."""
+    from services.compute.engine import EvictionParams, SamplingParams
+    from services.compute.loader import load_model
+    inst = generate("recall", 5, 300)
+    ids, P = inst.prompt_ids + inst.solution_ids, len(inst.prompt_ids)
+    att = answer_attention(load_model(tiny_dir), ids, P)
+    L, H, T = att.shape
+    assert T == len(ids) and float(att.max()) <= 1.0
+    assert bool((att[..., : T - 1] > 0).all()) and bool((att[..., T - 1] == 0).all())   # no answer query sees it
+    eng = _engine(tiny_dir, block_size=2)
+    budget = budget_tokens(inst, 0.875, 0)
+    seq = eng.make_sequence("o", inst.prompt_ids, SamplingParams(max_tokens=2),
+                            EvictionParams("streaming", budget=budget, sink=4, recent=8, block_size=2))
+    seq.policy = OraclePolicy([], 2, att)
+    eng.add_sequence(seq)
+    while seq.in_prefill:     # one chunk: one round, over every block of the prompt
+        eng.step()
+    nb = -(-P // 2)
+    block_att = seq.policy.block_att[..., :nb]
+    protected = set(range(2)) | set(range((P - 8) // 2, nb))
+    keep = seq.num_blocks - len(protected)
+    rows = set()
+    for l in range(L):
+        for h in range(H):
+            score = {b: float(block_att[l, h, b]) * (1 - 1e-3) + 1e-3 * b / nb for b in range(nb) if b not in protected}
+            best = sorted(score, key=score.get, reverse=True)[:keep]
+            resident = set(seq.block_index[l, h].tolist())
+            assert resident == protected | set(best), (l, h)
+            rows.add(frozenset(resident))
+    assert len(rows) > 1, "rows choose differently"
 
 
 def test_eviction_changes_distribution_and_kl_is_zero_for_dense(tiny_dir):
