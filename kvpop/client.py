@@ -54,6 +54,7 @@ def build_request(args: argparse.Namespace):
         messages.append(generate_pb2.ChatMessage(role="user", content=args.chat))
     req = generate_pb2.GenerateRequest(prompt=args.prompt or "", messages=messages, stop=args.stop or [], ignore_eos=args.ignore_eos,
                                        logprobs=args.logprobs, policy=args.policy or "",
+                                       evict_after_prompt=args.evict_after_prompt,
                                        session_id=args.session or "", request_id=args.request_id or "")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "sink_tokens",
                  "recent_tokens"):
@@ -91,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
     p.add_argument("--sink-tokens", type=int, help="first positions never evicted (server default 4)")
     p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 32)")
+    p.add_argument("--evict-after-prompt", action="store_true",
+                   help="hold the budget from the end of the prompt on (the prompt is prefilled in full, then "
+                        "evicted down once: a question at its end is seen first); default: during prefill too")
     p.add_argument("--session", help="session id (stored in Redis)")
     p.add_argument("--request-id")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "

@@ -126,3 +126,32 @@ def test_submission_times_follow_the_window():
     assert (t[1:(512 - 32) // 16] == 512).all()       # the first chunk's blocks, at its end
     b = 40                                            # a decode-time block: sent when it leaves the window
     assert t[b] == (b + 1) * 16 + 32
+
+
+def test_prompt_file_traces_read_prompts_chats_and_completions(tmp_path):
+    """`kvpop train-estimator --prompts FILE.jsonl`: a prompt line traces the
+    prompt (+ completion), a chat line is rendered with the model's template,
+    and a bad line names its line number."""
+    import json
+
+    from helpers_engine import default_tokenizer
+    from kvpop.training.traces import prompt_file_traces
+
+    tok = default_tokenizer()
+    model = tiny_model(seed=4)
+    cfg = [TraceConfig(block_size=1, sink=2, recent=4, horizon=64, prefill_chunk=32)]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "completion": "and runs away"},
+        {"prompt": "a b c d e f g h i j k l m n o p q r s t u v w x y z"},
+    ]) + "\n\n")
+    data = prompt_file_traces(model, tok, f, cfg, progress=False)
+    assert len(data) == 2
+    first = tok.encode("the quick brown fox jumps over the lazy dog " * 3)
+    assert data[0]["length"] == len(first) + len(tok.encode("and runs away", add_bos=False))
+    assert data[1]["length"] == len(tok.encode("a b c d e f g h i j k l m n o p q r s t u v w x y z"))
+    for ex in data:
+        assert all(t.shape[:2] == (2, 2) for t in ex["targets"])     # [layers, kv-heads, known blocks]
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="p.jsonl:2: needs 'prompt' or 'messages'"):
+        prompt_file_traces(model, tok, f, cfg, progress=False)

@@ -1,0 +1,148 @@
+"""NVIDIA kvpress's presses on the prompts of `kvpop eval --suite real`, on the
+transformers model: the peer reference for docs/evaluation_real.md. Run it
+with scripts/compare_kvpress.sh (kvpress pins an older transformers, so it
+has its own venv).
+
+The prompts are the same instances (same seeds, lengths, chat template); the
+protocol is kvpress's: the context is prefilled in full and compressed once
+(a press keeps ``int(context * (1 - compression))`` tokens per kv-head), then
+the question and the answer run uncompressed on top. Two placements:
+
+- ``end`` (kvpress's own): the user message without its question is the
+  context; the question comes after the compression, which never sees it.
+- ``context``: the whole user message, question included, is compressed (as
+  `kvpop eval --policies NAME+after` does), then the answer is generated.
+
+Accuracy is the suite's containment check. "held" is the KV a row holds at
+the end (kept context + question + answer, in tokens), to set beside the
+budget our policies hold throughout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+PRESSES = ("streaming", "snapkv", "tova", "knorm", "keydiff", "expected_attention")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpop.model_store import model_arg
+    p.add_argument("--model", default="smollm2-135m", type=model_arg, help="model folder or fetched name")
+    p.add_argument("--lengths", default="1024,2048")
+    p.add_argument("--n", type=int, default=2, help="instances per (family, length)")
+    p.add_argument("--seed", type=int, default=0, help="test-set seed (as kvpop eval --seed)")
+    p.add_argument("--tasks", default="all")
+    p.add_argument("--compression", default="0.5,0.75,0.875,0.9375")
+    p.add_argument("--presses", default=",".join(PRESSES))
+    p.add_argument("--question", choices=("end", "context", "both"), default="both",
+                   help="end: question after compression (kvpress); context: compressed with the prompt")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", required=True)
+
+
+def make_press(name: str, compression: float):
+    import kvpress
+    cls = {"streaming": kvpress.StreamingLLMPress, "snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress,
+           "knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress,
+           "expected_attention": kvpress.ExpectedAttentionPress}[name]
+    return cls(compression_ratio=compression)
+
+
+def split(content: str) -> tuple[str, str]:
+    """The ruler prompt's user message -> (text before the question, the question)."""
+    at = content.rindex("\n\nQuestion:")
+    return content[:at], content[at:]
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
+    from kvpop.tasks import ruler
+    from services.compute.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    families = list(ruler.FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",")]
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    comps = [float(c) for c in args.compression.split(",") if c.strip()]
+    presses = [p.strip() for p in args.presses.split(",") if p.strip()]
+    bad = [p for p in presses if p not in PRESSES]
+    if bad:
+        print(f"unknown press {', '.join(bad)}; choose from {', '.join(PRESSES)}")
+        return 2
+    placements = ["end", "context"] if args.question == "both" else [args.question]
+    insts = ruler.test_set(Tokenizer(args.model), args.n, lengths, families, args.seed)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    jobs = [(None, 0.0, "end")] + [(p, c, q) for q in placements for p in presses for c in comps]
+    rows = []
+    t0 = time.time()
+    bar = tqdm(total=len(jobs) * len(insts), desc="kvpress", dynamic_ncols=True, mininterval=2)
+    for press_name, comp, where in jobs:
+        for inst in insts:
+            context, question = split(inst.messages[0]["content"])
+            if where == "context":
+                context, question = context + question, ""
+            press = make_press(press_name, comp) if press_name else None
+            out = pipe(context, question=question, press=press, max_new_tokens=len(inst.solution_ids) + 16)
+            answer = out["answer"]
+            ctx_tokens = len(pipe.preprocess(context, [question], "", 1 << 30)["context_ids"][0])
+            kept = int(ctx_tokens * (1 - comp)) if press_name else ctx_tokens
+            rows.append({"policy": f"kvpress:{press_name or 'dense'}" + ("+ctx" if where == "context" else ""),
+                         "compression": comp, "family": inst.family, "length": len(inst.prompt_ids),
+                         "seed": inst.seed, "correct": inst.check(answer), "answer": answer,
+                         "context_tokens": ctx_tokens,
+                         "held_tokens": kept + len(inst.prompt_ids) - ctx_tokens + len(tok.encode(answer))})
+            bar.update(1)
+    bar.close()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"model": str(args.model), "kvpress": _version("kvpress"), "transformers": _version("transformers"),
+            "n_per_family": args.n, "lengths": lengths, "seed": args.seed, "seconds": round(time.time() - t0, 1)}
+    (out_dir / "kvpress.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    md = table(rows, families)
+    (out_dir / "kvpress.md").write_text(md + "\n")
+    print(md)
+    print(f"wrote {out_dir / 'kvpress.json'}, {out_dir / 'kvpress.md'} in {meta['seconds']} s")
+    return 0
+
+
+def table(rows: list[dict], families: list[str]) -> str:
+    """Accuracy per (press, compression): each family, the mean, and the mean KV held per row."""
+    keys = sorted({(r["policy"], r["compression"]) for r in rows}, key=lambda k: (k[1] > 0, k[0], k[1]))
+    head = "| press | compression | " + " | ".join(families) + " | mean | held tokens |"
+    lines = [head, "|" + " --- |" * 2 + " ---: |" * (len(families) + 2)]
+    for pol, comp in keys:
+        sel = [r for r in rows if (r["policy"], r["compression"]) == (pol, comp)]
+        accs = []
+        for f in families:
+            fs = [r["correct"] for r in sel if r["family"] == f]
+            accs.append(sum(fs) / len(fs) if fs else float("nan"))
+        held = sum(r["held_tokens"] for r in sel) / len(sel)
+        lines.append(f"| {pol} | {comp:.2%} | " + " | ".join(f"{a:.2f}" for a in accs)
+                     + f" | {sum(accs) / len(accs):.3f} | {held:.0f} |")
+    return "\n".join(lines)
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "?"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m kvpop.compare_kvpress", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
