@@ -91,8 +91,9 @@ class CacheManagerConfig(ServerConfig):
     port: int = setting("KVPOP_CACHE_MANAGER_PORT", 50053, "cache-manager port (0 = any free port)")
     metrics_port: int = setting("KVPOP_METRICS_PORT", 9093, "HTTP port of /metrics and /healthz "
                                 "(0 = any free port, -1 = off)")
-    max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 1024,
-                                   "most block numbers per (layer, kv-head) in one eviction plan")
+    max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 8192,
+                                   "most block numbers per (layer, kv-head) in one eviction plan (8192: a whole 8k prompt at "
+                                   "block size 1, which an evict-after-prompt round may need)")
     estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint ('' = models/default/"
                              "estimator.safetensors, 'none' = heuristic); SIGHUP reloads it")
     scoring_threads: int = setting("KVPOP_SCORING_THREADS", 1,

@@ -27,7 +27,7 @@ class LocalAdvisor:
     epoch = 0          # never loses its state
     on_plan = None
 
-    def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 1024, model=None):
+    def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 8192, model=None):
         self.planner = Planner(checkpoint, max_plan_blocks, model=model)
         self._lock = threading.Lock()      # guards the planner
         self._plans = PlanMailbox()

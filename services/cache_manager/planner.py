@@ -39,7 +39,7 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 1024, model=None):
+    def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 8192, model=None):
         """checkpoint: path setting (see resolve_checkpoint); model: a ValueEstimator
         to use directly (tests, training-time evaluation)."""
         self.path = resolve_checkpoint(checkpoint) if model is None else None

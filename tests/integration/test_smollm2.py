@@ -117,6 +117,8 @@ def test_fetch_is_cached_and_complete(model_dir):
     assert "<|im_start|>assistant" in tok_cfg["chat_template"] and tok_cfg["eos_token"] == "<|im_end|>"
     info = json.loads((model_dir / "kvpop_model.json").read_text())
     assert info["gguf_sha256"] == KNOWN_MODELS[NAME].sha256
+    est = json.loads((model_dir / "estimator.json").read_text())     # the shipped network, placed by fetch
+    assert (est["num_layers"], est["num_kv_heads"], est["head_dim"]) == (30, 3, 64)
 
 
 def test_weights_equal_transformers_gguf_conversion(model_dir, gguf_reference):
@@ -264,7 +266,7 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             def chat(*messages, **kw):
                 req = generate_pb2.GenerateRequest(
                     messages=[generate_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                    policy="dense", max_tokens=kw.pop("max_tokens", 48), **kw)
+                    policy=kw.pop("policy", "dense"), max_tokens=kw.pop("max_tokens", 48), **kw)
                 text, usage, finish = [], None, None
                 for r in stub.Generate(req, timeout=120):
                     if r.HasField("chunk"):
@@ -284,6 +286,15 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             _, usage, _ = chat(("user", INJECTION), max_tokens=8)
             text_ids = engine.tokenizer.encode_chat([{"role": "user", "content": INJECTION}])
             assert usage.prompt_tokens == len(text_ids)
+
+            # `learned` on this model: the shipped network (fetch-model placed it) ranks every eviction.
+            from kvpop.tasks import ruler
+            needle = ruler.generate("needle", 5, 512, engine.tokenizer)
+            for after in (False, True):
+                text, usage, _ = chat(*[(m["role"], m["content"]) for m in needle.messages], max_tokens=24,
+                                      policy="learned", budget_tokens=160, evict_after_prompt=after)
+                assert usage.kv_blocks_evicted > 0, usage
+                assert usage.network_evictions == usage.kv_blocks_evicted and usage.fallback_evictions == 0, usage
 
             for messages, words in [
                 ((("tool", "hi"),), "messages[0].role must be one of system, user, assistant"),
