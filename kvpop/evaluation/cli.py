@@ -101,8 +101,13 @@ def run(args) -> int:
         advisor = LocalAdvisor(model_dir)
         print(f"learned: {advisor.planner.loaded}")
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
+    # No cleanup: a request that does not fit the pool waits; it never
+    # shrinks running budgets (cleanup would silently evaluate a higher compression
+    # than asked: on SmolLM2, 90 rows fill the default pool and it did).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=max(4096, longest), prefill_chunk=512), advisor=advisor)
+                                    max_model_len=max(4096, longest), prefill_chunk=512,
+                                    cleanup_threshold=float("inf")),
+                       advisor=advisor)
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
     forcing = not args.no_kl
@@ -115,6 +120,8 @@ def run(args) -> int:
     rest = harness.run(settings, instances, desc="policies", reference=reference if forcing else None,
                        forcing=forcing)
     rows = report.records(dense + rest, families)
+    if engine.scheduler.budget_shrinks:
+        raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": args.seed,
             "block_size": args.block_size, "sink": args.sink, "recent": args.recent,
