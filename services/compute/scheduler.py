@@ -141,8 +141,25 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _shrink_one(self) -> bool:
+        """Shrink one running budget (halving the way to its floor, as often as
+        needed) so that the reservations go down. A smaller budget does not
+        always lower them: below a sequence's length it may overshoot, and the
+        shared prefill headroom then counts. A shrink that lowers nothing is
+        not made."""
+        before = self.reserved()
         for seq in sorted(self.running, key=lambda s: -(s.eviction.budget_blocks or 0)):
-            if shrink_budget(seq, self.pool):
+            st = seq.eviction
+            if st.budget_blocks is None:
+                continue
+            old, target = st.budget_blocks, None
+            b = old
+            while b > st.floor_blocks and target is None:
+                b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
+                st.budget_blocks = b
+                if self.reserved() < before:
+                    target = b
+            st.budget_blocks = old
+            if target is not None and shrink_budget(seq, self.pool, target):
                 self.budget_shrinks += 1
                 return True
         return False
