@@ -503,16 +503,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------ finish
     def _finish(self, seq: Sequence, reason: str, tok, delta: str, logprob) -> StepOutput:
+        sid = seq.sampling.session_id
+        park = sid is not None and reason in ("stop", "length") and not seq.prewarm
+        if park and overshoot(seq) > 0:
+            # A sequence that ends in the step its last prompt chunk went in is over its
+            # budget (its round had not run yet); a parked session holds only its budget.
+            plan = usable_plan(seq) if seq.eviction.policy == LEARNED else None
+            eviction_round(seq, self.pool, plan, "" if plan is not None else NO_PLAN)
         ev = seq.evictions
         usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.page_table.numel(),
                       seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base,
                       network_evictions=ev[(NETWORK, "")], advisor_heuristic_evictions=ev[("advisor_heuristic", "")],
                       fallback_reasons={r: n for (src, r), n in ev.items() if src == FALLBACK})
         seq.finish_reason = reason
-        sid = seq.sampling.session_id
         if seq.session_claim:            # finished before admission: the session stays parked
             self.sessions.unclaim(sid)
-        if sid is not None and reason in ("stop", "length") and not seq.prewarm:
+        if park:
             self.scheduler.detach(seq)
             self.sessions.park(sid, seq)
         else:
