@@ -64,6 +64,9 @@ class PeakPoller:
         """security: how to reach compute (its stack's token; None: KVPOP_INTERNAL_TOKEN(_FILE), KVPOP_TLS_*)."""
         self.address, self.period, self.security = address, period, security
         self.running = self.pages = 0
+        # compute's cleanup counter at the first and the latest poll: budgets it shrank
+        # under pool pressure (those requests ran at a higher compression than asked).
+        self.shrinks_first = self.shrinks_last = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -88,6 +91,10 @@ class PeakPoller:
                     st = stub.Info(compute_pb2.InfoRequest(), timeout=2).stats
                     self.running = max(self.running, st.running)
                     self.pages = max(self.pages, st.pages_used)
+                    shrinks = int(st.extra.get("budget_shrinks", 0))
+                    if self.shrinks_first is None:
+                        self.shrinks_first = shrinks
+                    self.shrinks_last = shrinks
                 except grpc.RpcError:
                     pass
                 self._stop.wait(self.period)
@@ -136,6 +143,7 @@ def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: s
         "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
         "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
         "peak_running": peaks.running, "peak_pages": peaks.pages,
+        "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
         "network_share": round(network / evicted, 4) if policy == "learned" and evicted else None,
         "accuracy": round(sum(is_correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
         "_ttft": ttft, "_itl": itl,
@@ -215,14 +223,15 @@ def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     head = ["policy", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-            "ITL p50/p99 ms", "peak running", "peak pages", "network", "accuracy", "errors"]
+            "ITL p50/p99 ms", "peak running", "peak pages", "budget shrinks", "network", "accuracy", "errors"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
         out.append("| " + " | ".join(str(x) for x in [
             r["policy"], r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
-            f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", r["peak_running"], r["peak_pages"], share,
+            f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", r["peak_running"], r["peak_pages"],
+            "-" if r.get("budget_shrinks") is None else r["budget_shrinks"], share,
             f"{r['accuracy']:.3f}", r["errors"]]) + " |")
     return "\n".join(out) + "\n"
 

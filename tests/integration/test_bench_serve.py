@@ -24,6 +24,7 @@ def test_bench_serve_quick_writes_results_and_summary(tmp_path):
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 8, r
         assert r["output_tokens_per_s"] > 0 and r["peak_running"] >= 1 and r["peak_pages"] > 0, r
+        assert isinstance(r["budget_shrinks"], int) and r["budget_shrinks"] >= 0, r   # polled from compute
     learned = next(r for r in rows if r["policy"] == "learned")
     dense = next(r for r in rows if r["policy"] == "dense")
     assert learned["network_share"] >= 0.99, learned
