@@ -155,23 +155,17 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
                 max_len: int = 1280, progress: bool = True) -> list[dict]:
     """Traces of ``n`` task instances from the TRAIN seed range (every family in
     turn), each with one (block size, recent) setting drawn from ``cfg_choices``."""
-    from tqdm import tqdm
-
     from kvpop.tasks import FAMILIES
     from kvpop.training.data import train_instance
 
     rng = random.Random(f"estimator-traces:{seed}")
     fams = list(FAMILIES)
-    out = []
-    for i in tqdm(range(n), desc="traces", disable=not progress, dynamic_ncols=True, mininterval=2):
-        inst = train_instance(fams[i % len(fams)], rng.randrange(1_000_000_000), rng.randint(min_len, max_len), rng)
-        ids = inst.prompt_ids + inst.solution_ids
-        ex = trace(model, ids, len(inst.prompt_ids), rng.choice(cfg_choices), rng)
-        if ex is not None:
-            ex["family"] = inst.family
-            ex["depends"] = np.asarray(inst.depends, np.int64)   # prompt positions the answer needs
-            out.append(ex)
-    return out
+
+    def items():
+        for i in range(n):
+            inst = train_instance(fams[i % len(fams)], rng.randrange(1_000_000_000), rng.randint(min_len, max_len), rng)
+            yield inst.family, inst.prompt_ids, inst.solution_ids, inst.depends   # depends: prompt positions the answer needs
+    return _trace_all(model, items(), cfg_choices, rng, progress, "traces", n)
 
 
 # Real-text instances for training come from seeds no test set uses (test sets
@@ -179,12 +173,13 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
 REAL_TRAIN_SEED_BASE = 1_000_000_000
 
 
-def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str) -> list[dict]:
+def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total: int | None = None) -> list[dict]:
     """items: iterable of (family, prompt ids, continuation ids, depends) -> traces."""
     from tqdm import tqdm
 
     out = []
-    for fam, prompt, cont, deps in tqdm(items, desc=desc, disable=not progress, dynamic_ncols=True, mininterval=2):
+    for fam, prompt, cont, deps in tqdm(items, desc=desc, total=total, disable=not progress, dynamic_ncols=True,
+                                        mininterval=2):
         ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng)
         if ex is not None:
             ex["family"] = fam
@@ -209,7 +204,7 @@ def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: 
             inst = ruler.generate(fams[i % len(fams)], REAL_TRAIN_SEED_BASE + seed * 1_000_000 + i,
                                   rng.randint(min_len, max_len), tokenizer)
             yield inst.family, inst.prompt_ids, inst.solution_ids, None
-    return _trace_all(model, _sized(items(), n), cfg_choices, rng, progress, "real-text traces")
+    return _trace_all(model, items(), cfg_choices, rng, progress, "real-text traces", n)
 
 
 def prompt_file_traces(model, tokenizer, path, cfg_choices: list[TraceConfig], seed: int = 0,
@@ -240,16 +235,3 @@ def prompt_file_traces(model, tokenizer, path, cfg_choices: list[TraceConfig], s
             rows.append(("prompts", prompt, cont, None))
     rng = random.Random(f"estimator-file-traces:{seed}")
     return _trace_all(model, rows, cfg_choices, rng, progress, "prompt-file traces")
-
-
-class _sized:
-    """A generator with a length (for the progress bar)."""
-
-    def __init__(self, it, n: int):
-        self.it, self.n = it, n
-
-    def __iter__(self):
-        return iter(self.it)
-
-    def __len__(self) -> int:
-        return self.n

@@ -123,17 +123,10 @@ def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
         seq.keep_columns(torch.arange(dead, NB, device=seq.page_table.device).expand(L, H, NB - dead))
 
 
-def shrink_budget(seq: Sequence, pool: KVPool, to: int | None = None) -> bool:
-    """Cleanup (docs/design.md, protocol step 6): halve the way to the floor (or
-    go to ``to``, never below the floor) and evict now. Returns False when the
-    sequence is already at its floor or is dense."""
+def shrink_budget(seq: Sequence, pool: KVPool, to: int) -> None:
+    """Cleanup (docs/design.md, protocol step 6): lower the budget to ``to``
+    (the scheduler chooses it, at or above the floor) and evict now."""
     st = seq.eviction
-    if st.budget_blocks is None or st.budget_blocks <= st.floor_blocks:
-        return False
-    new = max(st.floor_blocks, (st.budget_blocks + st.floor_blocks) // 2 if to is None else to)
-    if new >= st.budget_blocks:
-        return False
-    st.budget_blocks = new
+    st.budget_blocks = to
     # The pool needs the pages now: a learned sequence uses its plan if it is fresh.
     eviction_round(seq, pool, usable_plan(seq) if st.policy == LEARNED else None, CLEANUP)
-    return True

@@ -141,28 +141,34 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _shrink_one(self) -> bool:
-        """Shrink one running budget (halving the way to its floor, as often as
-        needed) so that the reservations go down. A smaller budget does not
-        always lower them: below a sequence's length it may overshoot, and the
-        shared prefill headroom then counts. A shrink that lowers nothing is
-        not made."""
+        """Shrink one running budget so that the reservations go down."""
         before = self.reserved()
         for seq in sorted(self.running, key=lambda s: -(s.eviction.budget_blocks or 0)):
-            st = seq.eviction
-            if st.budget_blocks is None:
-                continue
-            old, target = st.budget_blocks, None
-            b = old
-            while b > st.floor_blocks and target is None:
-                b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
-                st.budget_blocks = b
-                if self.reserved() < before:
-                    target = b
-            st.budget_blocks = old
-            if target is not None and shrink_budget(seq, self.pool, target):
+            target = self._lowering_budget(seq, before)
+            if target is not None:
+                shrink_budget(seq, self.pool, target)
                 self.budget_shrinks += 1
                 return True
         return False
+
+    def _lowering_budget(self, seq: Sequence, before: int) -> int | None:
+        """The first budget on the way to the floor (halving) at which the
+        reservations fall below ``before``, or None. A smaller budget does not
+        always lower them: below a sequence's length it may overshoot, and the
+        shared prefill headroom then counts."""
+        st = seq.eviction
+        if st.budget_blocks is None:
+            return None
+        old = b = st.budget_blocks
+        try:
+            while b > st.floor_blocks:
+                b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
+                st.budget_blocks = b
+                if self.reserved() < before:
+                    return b
+            return None
+        finally:
+            st.budget_blocks = old
 
     def _admit(self) -> None:
         cap = self.pool.capacity
