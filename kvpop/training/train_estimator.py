@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--traces", default=None, help="cache file: loaded if it exists, else written after tracing")
+    p.add_argument("--init", default=None, metavar="CHECKPOINT",
+                   help="continue training from this estimator (its d_model and depth win); it is kept "
+                        "unless training beats it on the held-out traces")
 
 
 # ------------------------------------------------------------------ data
@@ -199,6 +202,9 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     t0 = last_eval = time.monotonic()
     history, ema, step = [], None, 0
     probe, best, best_state = val_data[:8], float("inf"), None
+    if probe:   # a warm start must beat where it started, not just its own later steps
+        best = evaluate(model, probe)["loss"]
+        best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
     model.train()
@@ -227,7 +233,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         if probe and now_t - last_eval >= eval_every_s:
             ev = evaluate(model, probe)
             vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
-            if vl < best:
+            if vl < best:   # NaN never wins
                 best, best_state = vl, {k: v.detach().clone() for k, v in model.state_dict().items()}
             last_eval = time.monotonic()
             bar.set_postfix(step=step, loss=f"{ema:.3f}", val=f"{vl:.3f}", mass=f"{vm:.3f}")
@@ -240,7 +246,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     bar.close()
     if probe:
         vl = evaluate(model, probe)["loss"]
-        if best_state is not None and best < vl:
+        if best_state is not None and not vl <= best:   # worse, or diverged to NaN
             model.load_state_dict(best_state)
             print(f"kept the held-out best (loss {best:.4f} < final {vl:.4f})")
     return history
@@ -269,7 +275,7 @@ def plot(history, baselines_mass: dict, path: Path) -> None:
 def run(args) -> int:
     import torch
 
-    from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, save
+    from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, load, save
     from kvpop.training.traces import TraceConfig, task_traces
     from services.compute.loader import load_model
 
@@ -319,8 +325,22 @@ def run(args) -> int:
     n_val = max(1, len(data) // 8)
     train_data, val_data = data[:-n_val], data[-n_val:]
     mc = lm.config
-    cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth)
-    net = ValueEstimator(cfg)
+    if args.init:
+        try:
+            net = load(args.init)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"cannot load --init {args.init}: {e}")
+            return 2
+        cfg = net.cfg
+        if (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) != (mc.num_layers, mc.num_kv_heads, mc.head_dim):
+            print(f"--init {args.init} was trained for {cfg.num_layers} layers x {cfg.num_kv_heads} kv-heads x "
+                  f"head_dim {cfg.head_dim}; this model has {mc.num_layers} x {mc.num_kv_heads} x {mc.head_dim}")
+            return 2
+        prior = dict(cfg.trained or {})
+    else:
+        cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth)
+        net = ValueEstimator(cfg)
+        prior = {}
     print(f"{len(train_data)} train / {len(val_data)} held-out sequences, "
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
@@ -329,6 +349,9 @@ def run(args) -> int:
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "held_out": ev}
+    if prior:
+        cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
+                               "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean")}
     save(net, out)
     png = out.with_name(out.stem + "_loss.png")
     plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)

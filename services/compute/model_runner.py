@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvkernels import ops
 from services.compute.kv_pool import KVPool
-from services.compute.sequence import SNAPKV_WINDOW, Sequence, observe_decode
+from services.compute.sequence import Sequence, observe_decode
 
 
 @dataclass
@@ -248,5 +248,5 @@ class ModelRunner:
         mass = probs.view(self.Hkv, G, t, NB, self.bs).sum(-1).mean(1)         # [Hkv, t, NB]
         pf.acc.append(mass.sum(1))
         pf.last.append(mass[:, -1])
-        pf.window.append(mass[:, -SNAPKV_WINDOW:])
+        pf.window.append(mass[:, -seq.win_mass.shape[3]:])
         return out.permute(2, 0, 1, 3).reshape(t, self.Hq, d).to(q.dtype)

@@ -58,7 +58,7 @@ class SnapKVPolicy(Policy):
     tokens later), average-pooled over neighbouring blocks so that a block next
     to an important one is kept too; re-scored at every round."""
     name = "snapkv"
-    kernel = 3
+    kernel = 5   # SnapKV's (and kvpress's) pooling
 
     def score(self, seq):
         s = seq.win_mass.sum(-1)                       # [L, Hkv, NB]
@@ -66,7 +66,7 @@ class SnapKVPolicy(Policy):
         if NB == 0 or self.kernel <= 1:
             return s
         pooled = F.avg_pool1d(s.reshape(L * H, 1, NB), self.kernel, stride=1,
-                              padding=self.kernel // 2, count_include_pad=False)
+                              padding=self.kernel // 2)   # zero padding, as SnapKV
         return pooled.reshape(L, H, NB)
 
 

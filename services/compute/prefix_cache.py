@@ -112,7 +112,11 @@ class PrefixCache:
         self.pool.share(pages)
         seq.append_blocks(pages, 0)
         for name in STATS:
-            getattr(seq, name)[:, :, :k] = torch.stack([b.stats[name] for b in blocks], 2)
+            src, dst = torch.stack([b.stats[name] for b in blocks], 2), getattr(seq, name)[:, :, :k]
+            if src.shape != dst.shape:   # a snapkv ring (64 slots) meets a one-slot one:
+                src = src.sum(-1, keepdim=True)   # the window's total lands in one slot
+                dst = dst[..., :1]
+            dst.copy_(src)
         seq.num_cached = k * self.bs
         seq.feat_upto = k          # key summaries came along
         seq.prefix_blocks = k

@@ -13,9 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Decode-time SnapKV observation window: how many of the latest queries' block
-# mass each sequence remembers (a ring buffer).
-SNAPKV_WINDOW = 8
+# SnapKV's observation window: how many of the latest queries' block mass a
+# ``snapkv`` sequence remembers (a ring buffer). 64, as SnapKV's paper and
+# kvpress: on a chat prompt the last 8 queries are the assistant header and
+# "Answer briefly.", not the question. Other policies never read the ring, so
+# they keep one slot (64 floats per block per row would cost 47 MB per 2k
+# SmolLM2 sequence at block size 1).
+SNAPKV_WINDOW = 64
 
 
 class SequenceStatus(enum.Enum):
@@ -90,7 +94,8 @@ class Sequence:
         self.block_index = torch.zeros(L, H, 0, dtype=torch.int32, device=dev)
         self.acc_mass = torch.zeros(L, H, 0, device=dev)           # h2o
         self.last_mass = torch.zeros(L, H, 0, device=dev)          # tova
-        self.win_mass = torch.zeros(L, H, 0, SNAPKV_WINDOW, device=dev)  # snapkv ring
+        ring = SNAPKV_WINDOW if self.eviction.policy == "snapkv" else 1
+        self.win_mass = torch.zeros(L, H, 0, ring, device=dev)  # snapkv ring
         self.win_ptr = 0
         self.key_mean = torch.zeros(L, H, 0, self.head_dim, device=dev)
         self.value_norm = torch.zeros(L, H, 0, device=dev)
@@ -173,10 +178,11 @@ class Sequence:
         of the newest ``q`` in order."""
         self.acc_mass += acc
         self.last_mass = last.clone()
-        q = min(window.shape[2], SNAPKV_WINDOW)
-        slots = (self.win_ptr + torch.arange(q, device=window.device)) % SNAPKV_WINDOW
+        ring = self.win_mass.shape[3]
+        q = min(window.shape[2], ring)
+        slots = (self.win_ptr + torch.arange(q, device=window.device)) % ring
         self.win_mass.index_copy_(3, slots, window[:, :, -q:].permute(0, 1, 3, 2).contiguous())
-        self.win_ptr = (self.win_ptr + q) % SNAPKV_WINDOW
+        self.win_ptr = (self.win_ptr + q) % ring
 
     def pages(self) -> torch.Tensor:
         return self.page_table.reshape(-1)
@@ -190,4 +196,4 @@ def observe_decode(seqs: list[Sequence], mass: list[torch.Tensor]) -> None:
     torch._foreach_copy_([s.last_mass for s in seqs], mass)
     torch._foreach_copy_([s.win_mass[..., s.win_ptr] for s in seqs], mass)
     for s in seqs:
-        s.win_ptr = (s.win_ptr + 1) % SNAPKV_WINDOW
+        s.win_ptr = (s.win_ptr + 1) % s.win_mass.shape[3]

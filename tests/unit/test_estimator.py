@@ -173,6 +173,9 @@ def test_training_learns_a_known_ranking():
     # The network finds the key direction; attention-so-far (random here) cannot.
     assert m["learned"]["mean"] > 0.85, m
     assert m["learned"]["mean"] > m["h2o"]["mean"] + 0.2, m
+    # A warm start that training only makes worse (a wild learning rate) ends where it started.
+    train(net, tr, va, minutes=1.0, lr=50.0, seed=1, eval_every_s=1e9, progress=False, max_steps=30)
+    assert evaluate(net, va)["loss"] == pytest.approx(after["loss"], rel=1e-6)
 
 
 def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
@@ -192,3 +195,14 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     assert cfg.trained["held_out"]["decisions"] > 0 and cfg.trained["traces"] >= 5
     assert Planner(tmp_path / "m").policy_name == "learned"     # a model folder resolves to its checkpoint
     assert (tmp_path / "traces.pt").exists()
+    # --init continues from that checkpoint (its shape wins over --d-model) on the cached traces.
+    out2 = tmp_path / "again.safetensors"
+    rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--d-model", "8",
+               "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--init", str(out), "--out", str(out2)])
+    again = load(out2).cfg
+    assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
+    # A checkpoint for another model's shape is refused with a message, not a traceback.
+    other = tmp_path / "other.safetensors"
+    save(ValueEstimator(EstimatorConfig(3, 2, 16, d_model=8)), other)
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--threads", "1",
+                 "--traces", str(tmp_path / "traces.pt"), "--init", str(other), "--out", str(out2)]) == 2

@@ -9,9 +9,9 @@ from services.compute.block_features import update_features
 from services.compute.eviction import evict_blocks, protected_mask
 from services.compute.sequence import EvictionState
 from services.compute.kv_pool import KVPool
-from services.compute.policies import POLICIES, POLICY_NAMES, get_policy
+from services.compute.policies import POLICIES, POLICY_NAMES, SnapKVPolicy, get_policy
 from services.compute.sampler import SamplingParams
-from services.compute.sequence import Sequence
+from services.compute.sequence import SNAPKV_WINDOW, Sequence
 
 BS, D = 4, 8
 
@@ -67,20 +67,31 @@ def test_tova_keeps_the_last_querys_attention():
 
 
 def test_snapkv_window_is_pooled_over_neighbours():
-    seq, pool = make_seq(7, "snapkv")
-    seq.win_mass[0, :, 3, 0] = 1.0    # one window query put its mass on block 3
+    seq, pool = make_seq(12, "snapkv")
+    seq.win_mass[0, :, 6, 0] = 1.0    # one window query put its mass on block 6
     seq.acc_mass[0, :, 0] = 9.0       # old accumulated attention is ignored
-    assert evict(seq, pool, 3) == [[2, 3, 4, 6]] * 2
+    s = seq.policy.score(seq)[0, 0]
+    k = SnapKVPolicy.kernel
+    assert torch.allclose(s[6 - k // 2:6 + k // 2 + 1], torch.full((k,), 1.0 / k))   # neighbours share it
+    assert s[:6 - k // 2].sum() == 0 and s[6 + k // 2 + 1:].sum() == 0
+    kept = evict(seq, pool, 12 - k - 1)   # the newest block is protected
+    assert all(set(range(6 - k // 2, 6 + k // 2 + 1)) <= set(row) for row in kept)
 
 
 def test_snapkv_window_forgets_old_queries():
     seq, pool = make_seq(5, "snapkv", L=1, H=1)
+    assert seq.win_mass.shape[3] == SNAPKV_WINDOW
     old = torch.zeros(1, 1, 1, 5); old[..., 0] = 1.0
     seq.observe(old.sum(2), old[:, :, -1], old)
-    new = torch.zeros(1, 1, 8, 5); new[..., 2] = 0.1   # 8 newer queries fill the window
+    new = torch.zeros(1, 1, SNAPKV_WINDOW, 5); new[..., 2] = 0.1   # newer queries fill the window
     seq.observe(new.sum(2), new[:, :, -1], new)
     assert seq.acc_mass[0, 0, 0] == 1.0 and seq.win_mass[0, 0, 0].sum() == 0
-    assert seq.win_mass[0, 0, 2].sum() == pytest.approx(0.8)
+    assert seq.win_mass[0, 0, 2].sum() == pytest.approx(0.1 * SNAPKV_WINDOW)
+
+
+def test_only_snapkv_sequences_pay_for_the_window():
+    assert make_seq(3, "snapkv")[0].win_mass.shape[3] == SNAPKV_WINDOW
+    assert all(make_seq(3, p)[0].win_mass.shape[3] == 1 for p in ("h2o", "tova", "keydiff", "streaming"))
 
 
 def _write_keys(seq, pool, keys):
@@ -143,9 +154,9 @@ def test_eviction_select_contract_used_by_rounds():
 def test_batched_decode_observe_equals_one_by_one():
     from services.compute.sequence import observe_decode
     torch.manual_seed(0)
-    a = [make_seq(n)[0] for n in (3, 5)]
-    b = [make_seq(n)[0] for n in (3, 5)]
-    for step in range(11):   # more steps than the window: the ring wraps
+    a = [make_seq(n, p)[0] for n, p in ((3, "snapkv"), (5, "h2o"))]
+    b = [make_seq(n, p)[0] for n, p in ((3, "snapkv"), (5, "h2o"))]
+    for step in range(SNAPKV_WINDOW + 3):   # more steps than the window: the ring wraps
         masses = [torch.rand(1, 2, s.num_blocks) for s in a]
         for s, m in zip(a, masses):
             s.observe(m, m, m[:, :, None])

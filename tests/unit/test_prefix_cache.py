@@ -136,3 +136,29 @@ def test_prewarm_beside_running_requests_loses_no_output(model):
     assert list(outs) == ["busy"]                              # the prewarm streamed nothing
     assert [o.token_id for o in first + outs["busy"]] == dense_greedy(model, prompt, sp.max_tokens)
     assert len(engine.prefix_cache.blocks) == 5
+
+
+def test_snapkv_request_on_a_prewarmed_prefix_carries_the_window_mass(model):
+    """Prewarmed blocks keep a one-slot window (their prefill ran as h2o); a
+    snapkv request's ring has SNAPKV_WINDOW slots: the cached window mass
+    lands in one slot, so its score (the ring's sum) is what was cached."""
+    from services.compute.sequence import SNAPKV_WINDOW
+    system = random_prompt(64, seed=2)
+    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine.prewarm([system])
+    cached = sum(float(b.stats["win_mass"].sum()) for b in engine.prefix_cache.blocks.values())
+    assert cached > 0
+    seq = engine.make_sequence("s", system + random_prompt(30, seed=3), SamplingParams(max_tokens=20, ignore_eos=True),
+                               EvictionParams("snapkv", budget=32, sink=4, recent=8))
+    assert seq.win_mass.shape[3] == SNAPKV_WINDOW
+    probe = engine.make_sequence("p", list(seq.prompt_ids), SamplingParams(max_tokens=1),
+                                 EvictionParams("snapkv", budget=32, sink=4, recent=8))
+    blocks = engine.prefix_cache.lookup(probe.prompt_ids, 8, need_stats=True, count=False)
+    engine.prefix_cache.attach(probe, blocks)
+    carried = sum(float(b.stats["win_mass"].sum()) for b in blocks)
+    assert len(blocks) == 8 and carried > 0 and float(probe.win_mass.sum()) == pytest.approx(carried, rel=1e-5)
+    engine.pool.free(probe.pages())
+    engine.add_sequence(seq)
+    outs = run_all(engine)
+    assert seq.prefix_blocks == 8 and outs["s"][-1].usage.kv_blocks_evicted > 0
+    assert engine.pool.num_used == engine.prefix_cache.num_pages
