@@ -188,19 +188,41 @@ SHIPPED_ESTIMATORS = Path(__file__).resolve().parent / "estimators"
 ESTIMATOR_FILES = ("estimator.safetensors", "estimator.json")
 
 
+# The sha256 of the shipped estimator placed in a folder: a file that still has
+# it is ours to upgrade; one that does not is a user's own.
+SHIPPED_MARK = ".estimator.shipped"
+# Estimators shipped before the mark existed (placed without one).
+FORMER_SHIPPED = {"d2293567c312a43ea7ff072621b20ac54a46e31c3ce76abfa52ea987e94218ae",
+                  "51c9b8d94cbe2f519e9cad1e9e1ed7fd297b4d486490e439507a98c95ec4b668"}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def place_estimator(spec: KnownModel, folder: Path, force: bool = False) -> bool:
-    """Copy the shipped estimator into ``folder`` unless one is there already
-    (a user's own `kvpop train-estimator` output is never overwritten, except
-    with ``force``). Returns whether it copied."""
+    """Copy the shipped estimator into ``folder`` when there is none, or when
+    the one there is an older shipped copy (a newer release upgrades it). A
+    user's own `kvpop train-estimator` output is never overwritten, except
+    with ``force``. Returns whether it copied."""
     if not spec.estimator:
         return False
     src = [SHIPPED_ESTIMATORS / f"{spec.estimator}{Path(f).suffix}" for f in ESTIMATOR_FILES]
-    if not all(p.is_file() for p in src) or ((folder / ESTIMATOR_FILES[0]).exists() and not force):
+    if not all(p.is_file() for p in src):
         return False
+    new = _sha256(src[0])
+    dst = folder / ESTIMATOR_FILES[0]
+    if dst.exists() and not force:
+        have = _sha256(dst)
+        mark = folder / SHIPPED_MARK
+        ours = have in FORMER_SHIPPED or (mark.is_file() and mark.read_text().strip() == have)
+        if have == new or not ours:
+            return False
     for p, name in zip(src, ESTIMATOR_FILES):
         tmp = folder / f".{name}.tmp"
         shutil.copyfile(p, tmp)
         tmp.replace(folder / name)
+    (folder / SHIPPED_MARK).write_text(new + "\n")
     return True
 
 

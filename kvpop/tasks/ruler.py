@@ -101,8 +101,9 @@ def _facts(family: str, rng: random.Random) -> tuple[list[str], str, list[str], 
     raise ValueError(f"unknown real-text family {family!r}; choose from {', '.join(FAMILIES)}")
 
 
-def generate(family: str, seed: int, length: int, tokenizer) -> TextInstance:
-    """One instance whose chat-rendered prompt is `length` tokens (+-2%)."""
+def generate(family: str, seed: int, length: int, tokenizer, limit: int | None = None) -> TextInstance:
+    """One instance whose chat-rendered prompt is `length` tokens (+-2%), and
+    never more than ``limit`` (the model's context less room for the answer)."""
     rng = random.Random(f"real:{family}:{seed}")
     facts, question, answers, solution = _facts(family, rng)
     intro = "Read the text below carefully: some facts are hidden in it. Answer the question after it.\n\n"
@@ -134,13 +135,19 @@ def generate(family: str, seed: int, length: int, tokenizer) -> TextInstance:
             del filler[max(len(facts), len(filler) + k):]
         else:
             break
+    while limit is not None and len(ids) > limit and len(filler) > len(facts):
+        filler.pop()
+        ids, content = render(filler, [min(x, len(filler)) for x in slots])
     sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
     return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
                         prompt_ids=ids, solution_ids=sol, decoder=tokenizer)
 
 
 def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,
-             seed: int = 0) -> list[TextInstance]:
-    """n instances per (family, length); seeds depend on the test-set seed."""
-    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer)
+             seed: int = 0, limit: int | None = None) -> list[TextInstance]:
+    """n instances per (family, length); seeds depend on the test-set seed.
+    ``limit`` caps every prompt (a length at the model's whole context leaves
+    no room for the answer): such a length is generated as close below it as
+    the limit allows."""
+    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit)
             for length in lengths for fam in (families or FAMILIES) for i in range(n)]

@@ -334,3 +334,7 @@ def test_real_text_suite_prompts(engine):
     where = [chain.prompt.index(f"VAR {a} =") for a in chain.answers]
     assert where == sorted(where)       # each copy comes after the variable it copies
     assert ruler.generate("needle", 1, 1024, tok).answers != ruler.generate("needle", 2, 1024, tok).answers
+    # A length at the whole context is capped below it (room for the answer), facts and all.
+    for seed in range(4):
+        capped = ruler.generate("multikey", seed, 2048, tok, limit=2000)
+        assert 1900 <= len(capped.prompt_ids) <= 2000 and all(a in capped.prompt for a in capped.answers)

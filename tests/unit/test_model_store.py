@@ -4,6 +4,7 @@ error of `kvpop fetch-model` when the package index cannot be reached (an
 index URL on a closed loopback port)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -104,3 +105,23 @@ def test_fetch_places_the_shipped_estimator_once_and_never_over_a_users(home):
     (folder / ESTIMATOR_FILES[0]).write_bytes(b"mine")     # a user's own train-estimator output stays
     assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
     assert (folder / ESTIMATOR_FILES[0]).read_bytes() == b"mine"
+
+
+def test_fetch_upgrades_an_older_shipped_estimator_but_not_a_users(home):
+    """A folder holding a copy we shipped earlier (marked, or one of the
+    releases from before the mark) gets the current one on the next fetch."""
+    from kvpop.model_store import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, SHIPPED_MARK, fetch
+
+    shipped = SHIPPED_ESTIMATORS / f"{KNOWN_MODELS[NAME].estimator}.safetensors"
+    folder = _fake_fetched(model_dir(NAME))
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, True)
+    dst = folder / ESTIMATOR_FILES[0]
+    # An earlier release placed this file and marked it as ours.
+    dst.write_bytes(b"an older shipped estimator")
+    (folder / SHIPPED_MARK).write_text(hashlib.sha256(b"an older shipped estimator").hexdigest() + "\n")
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, True)
+    assert dst.read_bytes() == shipped.read_bytes()
+    # The user then trains their own: the mark no longer matches, and it stays.
+    dst.write_bytes(b"trained by the user")
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
+    assert dst.read_bytes() == b"trained by the user"
