@@ -20,25 +20,43 @@ import torch
 from services.compute.policies import Policy
 
 
+class _AnswerAttention:
+    """AttentionFn: causal attention for every query (SDPA, no probabilities
+    kept), and the probabilities of the answer queries ``first .. T - 2``
+    only, as their peak per position. Materialising [Hq, T, T] for an 8k
+    prompt would be 2.4 GB per layer to read ~30 rows of it."""
+
+    def __init__(self, first: int, out: torch.Tensor):
+        self.first, self.out = first, out
+
+    def __call__(self, layer, q, k, v):
+        T, Hq, d = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        scale = 1.0 / math.sqrt(d)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=G > 1)
+        n = T - 1 - self.first
+        if n > 0:
+            qa = q[self.first:T - 1].float().view(n, Hkv, G, d).permute(1, 2, 0, 3)       # [Hkv, G, n, d]
+            logits = torch.einsum("hgnd,htd->hgnt", qa, k.float().transpose(0, 1)) * scale
+            qpos = torch.arange(self.first, T - 1, device=q.device)
+            logits.masked_fill_(torch.arange(T, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+            self.out[layer] = torch.softmax(logits, -1).amax(2).amax(1).cpu()      # [Hkv, T]
+        return o.transpose(0, 1)
+
+
 @torch.no_grad()
 def answer_attention(model, ids: list[int], prompt_len: int) -> torch.Tensor:
     """[L, Hkv, T]: the peak attention the queries that write the answer
     (positions prompt_len - 1 .. T - 2) pay to each position, max over the
     query heads of each kv-head, in the dense model."""
-    from kvpop.training.traces import AttentionRecorder
-
     mc = model.config
-    T, Hkv = len(ids), mc.num_kv_heads
-    G = mc.num_heads // Hkv
-    out = torch.zeros(mc.num_layers, Hkv, T)
-    first = max(0, prompt_len - 1)
-
-    def on_layer(layer, probs, k, v):
-        peak = probs[:, first:T - 1].amax(1) if T - 1 > first else torch.zeros(probs.shape[0], T)
-        out[layer] = peak.view(Hkv, G, T).amax(1)
-
+    T = len(ids)
+    out = torch.zeros(mc.num_layers, mc.num_kv_heads, T)
     x = torch.as_tensor(ids, dtype=torch.long, device=model.device)
-    model(x, torch.arange(T, device=model.device), AttentionRecorder(on_layer, 256))
+    model(x, torch.arange(T, device=model.device), _AnswerAttention(max(0, prompt_len - 1), out))
     return out
 
 
