@@ -19,6 +19,8 @@ import torch
 
 from services.compute.policies import Policy
 
+QUERY_CHUNK = 512
+
 
 class _AnswerAttention:
     """AttentionFn: causal attention for every query (SDPA, no probabilities
@@ -34,9 +36,14 @@ class _AnswerAttention:
         Hkv = k.shape[1]
         G = Hq // Hkv
         scale = 1.0 / math.sqrt(d)
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
-            enable_gqa=G > 1)
+        kh, vh = k.transpose(0, 1), v.transpose(0, 1)
+        o = torch.empty(Hq, T, d, dtype=q.dtype, device=q.device)
+        pos = torch.arange(T, device=q.device)
+        for s in range(0, T, QUERY_CHUNK):   # in chunks, as prefill: a whole causal mask is T x T per head
+            e = min(T, s + QUERY_CHUNK)
+            o[:, s:e] = torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), kh[:, :e], vh[:, :e], attn_mask=pos[None, :e] <= pos[s:e, None],
+                scale=scale, enable_gqa=G > 1)
         n = T - 1 - self.first
         if n > 0:
             qa = q[self.first:T - 1].float().view(n, Hkv, G, d).permute(1, 2, 0, 3)       # [Hkv, G, n, d]
