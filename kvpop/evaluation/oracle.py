@@ -32,10 +32,8 @@ class _AnswerAttention:
         self.first, self.out = first, out
 
     def __call__(self, layer, q, k, v):
-        T, Hq, d = q.shape
-        Hkv = k.shape[1]
-        G = Hq // Hkv
-        scale = 1.0 / math.sqrt(d)
+        (T, Hq, d), Hkv = q.shape, k.shape[1]
+        G, scale = Hq // Hkv, d ** -0.5
         kh, vh = k.transpose(0, 1), v.transpose(0, 1)
         o = torch.empty(Hq, T, d, dtype=q.dtype, device=q.device)
         pos = torch.arange(T, device=q.device)
