@@ -17,6 +17,7 @@ Lengths are counted in the model's tokens (the chat-rendered prompt), within
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -136,7 +137,8 @@ def generate(family: str, seed: int, length: int, tokenizer, limit: int | None =
         else:
             break
     while limit is not None and len(ids) > limit and len(filler) > len(facts):
-        filler.pop()
+        # As many sentences as the overshoot is long (at least one): one re-render per step, not per sentence.
+        del filler[max(len(facts), len(filler) - max(1, math.ceil((len(ids) - limit) / per))):]
         ids, content = render(filler, [min(x, len(filler)) for x in slots])
     sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
     return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
