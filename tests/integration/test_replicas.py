@@ -180,6 +180,10 @@ async def _scenario(redis, reps: Replicas) -> None:
     assert 3 + await drain(it_a) == 400
 
     assert await gone - killed <= HEARTBEAT_S + 0.25
+    # The router lists replicas at most refresh_s late: from then on r-b is never chosen.
+    async def routed_to_a():
+        return (await router.pick(session_replica="r-b")).replica_id == "r-a"
+    await wait_for(routed_to_a, router.refresh_s + 0.5, "the router to stop choosing r-b", step=0.01)
     assert (await router.pick(session_replica="r-b")).replica_id == "r-a"
     # Its channel is closed once the registry no longer lists it.
     assert reps.addresses["r-b"] not in router._channels and reps.addresses["r-a"] in router._channels
