@@ -7,19 +7,24 @@ from pathlib import Path
 
 
 def records(outcomes, families: list[str]) -> list[dict]:
+    """One row per (policy, compression, task, length): task is a family or
+    'all'; length is None (every length pooled) or, for suites whose instances
+    carry the length asked for, each such length."""
     groups = defaultdict(list)
     for o in outcomes:
         key = (o.setting.policy, o.setting.compression)
-        groups[key + (o.instance.family,)].append(o)
-        groups[key + ("all",)].append(o)
+        lengths = [None] + ([o.instance.length] if getattr(o.instance, "length", 0) else [])
+        for length in lengths:
+            groups[key + (o.instance.family, length)].append(o)
+            groups[key + ("all", length)].append(o)
     dense_acc = {}
     rows = []
-    for (policy, comp, task), os_ in groups.items():
+    for (policy, comp, task, length), os_ in groups.items():
         kls = [k for o in os_ for k in o.kl]
         budgets = [o.budget for o in os_ if o.budget is not None]
         total = [len(o.instance.prompt_ids) + len(o.instance.solution_ids) for o in os_]
         rows.append({
-            "policy": policy, "compression": comp, "task": task, "n": len(os_),
+            "policy": policy, "compression": comp, "task": task, "length": length, "n": len(os_),
             "accuracy": sum(o.correct for o in os_) / len(os_),
             # None: not measured (no teacher-forced pass); dense against itself is 0.
             "kl": (sum(kls) / len(kls)) if kls else (0.0 if policy == "dense" else None),
@@ -27,18 +32,20 @@ def records(outcomes, families: list[str]) -> list[dict]:
             "kv_kept": (sum(b / t for b, t in zip(budgets, total)) / len(budgets)) if budgets else 1.0,
         })
         if policy == "dense":
-            dense_acc[task] = rows[-1]["accuracy"]
+            dense_acc[task, length] = rows[-1]["accuracy"]
     for r in rows:
-        d = dense_acc.get(r["task"])
+        d = dense_acc.get((r["task"], r["length"]))
         r["retention"] = (r["accuracy"] / d) if d else None
     order = {t: i for i, t in enumerate(["all"] + families)}
-    rows.sort(key=lambda r: (r["compression"], r["policy"] != "dense", r["policy"], order.get(r["task"], 99)))
+    rows.sort(key=lambda r: (r["length"] is not None, r["length"] or 0, r["compression"], r["policy"] != "dense",
+                             r["policy"], order.get(r["task"], 99)))
     return rows
 
 
 def markdown(rows: list[dict], families: list[str]) -> str:
-    by = {(r["policy"], r["compression"], r["task"]): r for r in rows}
-    settings = sorted({(r["compression"], r["policy"]) for r in rows}, key=lambda s: (s[0], s[1] != "dense", s[1]))
+    pooled = [r for r in rows if r.get("length") is None]
+    by = {(r["policy"], r["compression"], r["task"]): r for r in pooled}
+    settings = sorted({(r["compression"], r["policy"]) for r in pooled}, key=lambda s: (s[0], s[1] != "dense", s[1]))
     head = ["policy", "compression", *families, "all", "retention", "KL", "gen. tokens"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for comp, pol in settings:
@@ -49,6 +56,19 @@ def markdown(rows: list[dict], families: list[str]) -> str:
         cells += [f"**{a['accuracy']:.3f}**", "-" if ret is None else f"{ret:.3f}", "-" if a["kl"] is None else f"{a['kl']:.4f}",
                   f"{a['mean_generated_tokens']:.1f}"]
         out.append("| " + " | ".join(cells) + " |")
+    lengths = sorted({r["length"] for r in rows if r.get("length") is not None})
+    if len(lengths) > 1:
+        # The pooled table hides where accuracy falls off: one column per length asked for.
+        per = {(r["policy"], r["compression"], r["length"]): r for r in rows
+               if r.get("length") is not None and r["task"] == "all"}
+        out += ["", "By prompt length (every family pooled; accuracy, n per cell in brackets):", "",
+                "| policy | compression | " + " | ".join(f"{x:,} tokens" for x in lengths) + " |",
+                "|" + "---|" * (2 + len(lengths))]
+        for comp, pol in settings:
+            cells = [pol, f"{comp:.2%}" if comp else "0 (dense)"]
+            cells += [f"{per[pol, comp, x]['accuracy']:.3f} ({per[pol, comp, x]['n']})" if (pol, comp, x) in per
+                      else "-" for x in lengths]
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -58,6 +78,7 @@ def plot(rows: list[dict], families: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
     tasks = ["all"] + families
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.4 * len(tasks), 3.6), sharey=True)
+    rows = [r for r in rows if r.get("length") is None]
     policies = sorted({r["policy"] for r in rows if r["policy"] != "dense"})
     for ax, task in zip(axes, tasks):
         dense = [r for r in rows if r["policy"] == "dense" and r["task"] == task]

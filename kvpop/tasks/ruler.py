@@ -57,6 +57,7 @@ class TextInstance:
     solution_ids: list[int] = field(default_factory=list)
     depends: list[int] = field(default_factory=list)   # no dependency oracle on real text
     decoder: object = field(default=None, repr=False)
+    length: int = 0                 # the length asked for (reports break results down by it)
 
     @property
     def prompt(self) -> str:
@@ -142,7 +143,7 @@ def generate(family: str, seed: int, length: int, tokenizer, limit: int | None =
         ids, content = render(filler, [min(x, len(filler)) for x in slots])
     sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
     return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
-                        prompt_ids=ids, solution_ids=sol, decoder=tokenizer)
+                        prompt_ids=ids, solution_ids=sol, decoder=tokenizer, length=length)
 
 
 def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,

@@ -1,9 +1,10 @@
 """Dense traces of the served model -> training examples for the estimator.
 
 One forward over prompt + reference solution (TRAIN seeds only) with an
-attention function that keeps one layer's probabilities at a time (computed
-in query chunks), turned into a running sum over queries C[h, t, p] =
-sum_{q < t} P[h, q, p]. From it, per block:
+attention function that hands over its probabilities one query chunk at a
+time, summed per block and folded into running sums over queries
+C[h, t, b] = sum_{q < t} P[h, q, b], kept only at the times a feature or a
+target reads (memory O(chunk x T), not O(T^2): 8k-token traces fit). Per block:
 
 - features as compute sends them when the block leaves the protected recent
   window (same sink / recent / block size / prefill chunking as serving):
@@ -60,12 +61,16 @@ def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig) -> np.ndar
     return t_sub
 
 
-class AttentionRecorder:
-    """AttentionFn for TransformerModel.forward that also hands each layer's
-    probabilities [Hq, T, T] (chunked over queries) and K/V to a callback."""
+class ChunkRecorder:
+    """AttentionFn for TransformerModel.forward that hands each query chunk's
+    attention, summed per block, to ``on_chunk(layer, start, mass [Hq, c,
+    nblocks])`` and each layer's keys/values to ``on_layer(layer, k, v)``.
+    Never holds more than one chunk's probabilities: [Hq, c, T], where the
+    whole map was [Hq, T, T] (2.4 GB per layer at 8k tokens on SmolLM2)."""
 
-    def __init__(self, on_layer, query_chunk: int):
-        self.on_layer, self.chunk = on_layer, query_chunk
+    def __init__(self, on_chunk, on_layer, query_chunk: int, block_size: int, nblocks: int):
+        self.on_chunk, self.on_layer, self.chunk = on_chunk, on_layer, query_chunk
+        self.bs, self.nblocks = block_size, nblocks
 
     def __call__(self, layer, q, k, v):
         T, Hq, d = q.shape
@@ -73,9 +78,9 @@ class AttentionRecorder:
         G = Hq // Hkv
         scale = 1.0 / math.sqrt(d)
         kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)            # [Hkv, T, d]
-        probs = torch.empty(Hq, T, T)
         out = torch.empty(T, Hq, d)
         pos = torch.arange(T)
+        span = self.nblocks * self.bs
         for s in range(0, T, self.chunk):
             e = min(T, s + self.chunk)
             qh = q[s:e].float().view(e - s, Hkv, G, d).permute(1, 2, 0, 3)         # [Hkv, G, c, d]
@@ -83,9 +88,34 @@ class AttentionRecorder:
             logits.masked_fill_(pos[None, None, None, :] > pos[s:e, None][None, None], float("-inf"))
             p = torch.softmax(logits, -1)
             out[s:e] = torch.einsum("hgct,htd->hgcd", p, vf).permute(2, 0, 1, 3).reshape(e - s, Hq, d)
-            probs[:, s:e] = p.reshape(Hq, e - s, T)
-        self.on_layer(layer, probs, k.float(), v.float())
+            self.on_chunk(layer, s, p.reshape(Hq, e - s, T)[..., :span].reshape(Hq, e - s, self.nblocks, self.bs)
+                          .sum(-1))
+        self.on_layer(layer, k.float(), v.float())
         return out.to(q.dtype)
+
+
+class _PrefixSums:
+    """C[:, t] = block mass from the queries before t, kept only at the times
+    asked for, and per window the peak over its queries, from chunks in query order."""
+
+    def __init__(self, Hq: int, nblocks: int, times: set[int], windows: list[tuple[int, int]]):
+        self.colsum = torch.zeros(Hq, nblocks)
+        self.times = sorted(times)
+        self.at = {t: torch.zeros(Hq, nblocks) for t in self.times if t == 0}
+        self.windows = windows
+        self.peak = [torch.zeros(Hq, nblocks) for _ in windows]
+
+    def add(self, s: int, mass: torch.Tensor) -> None:
+        e = s + mass.shape[1]
+        cs = mass.cumsum(1)
+        for t in self.times:
+            if s < t <= e:
+                self.at[t] = self.colsum + cs[:, t - s - 1]
+        for i, (w0, w1) in enumerate(self.windows):
+            lo, hi = max(s, w0), min(e, w1)
+            if lo < hi:
+                self.peak[i] = torch.maximum(self.peak[i], mass[:, lo - s:hi - s].amax(1))
+        self.colsum += cs[:, -1]
 
 
 @torch.no_grad()
@@ -114,32 +144,39 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     km = np.zeros((len(known), L, Hkv, d), np.float32)
     vn = np.zeros((len(known), L, Hkv), np.float32)
     targets = [np.zeros((L, Hkv, k), np.float32) for k in nk]
-    sub_rows = torch.as_tensor(t_sub[known])
     blocks = torch.as_tensor(known)
+    # The future each decision is judged on: queries [s0, e).
+    windows = []
+    for t in pick:
+        s0 = max(t, prompt_len) if cfg.decode_only else t
+        windows.append((s0, min(T, s0 + cfg.horizon)))
+    need = {int(t) for t in t_sub[known]} | {w for win in windows for w in win}
+    sums: dict[int, _PrefixSums] = {}
 
-    def on_layer(layer, probs, k, v):
-        # Running sum over queries: C[:, t] = mass from queries < t (t = 0..T).
-        C = torch.zeros(Hq, T + 1, nblocks)
-        C[:, 1:] = probs[..., : nblocks * bs].reshape(Hq, T, nblocks, bs).sum(-1)
-        del probs
-        peak = C[:, 1:, blocks].clone() if cfg.target == "max" else None     # [Hq, T, nknown]
-        C.cumsum_(1)
+    def on_chunk(layer, s, mass):
+        if layer not in sums:
+            sums[layer] = _PrefixSums(Hq, nblocks, need, windows)
+        sums[layer].add(s, mass)
+
+    def on_layer(layer, k, v):
+        ps = sums.pop(layer)
         # Features at submission: the engine averages block mass over the G heads.
-        a = C[:, sub_rows, blocks].view(Hkv, G, -1).mean(1)                  # [Hkv, nknown]
-        att[:, layer] = a.T.numpy()
+        sub = torch.zeros(Hq, len(known))
+        for t in np.unique(t_sub[known]):
+            j = np.nonzero(t_sub[known] == t)[0]
+            sub[:, j] = ps.at[int(t)][:, known[j]]
+        att[:, layer] = sub.view(Hkv, G, -1).mean(1).T.numpy()
         kb = k[: nblocks * bs].view(nblocks, bs, Hkv, d).mean(1)[blocks]        # [nknown, Hkv, d]
         vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[blocks]
         km[:, layer], vn[:, layer] = kb.numpy(), vb.numpy()
-        for i, (t, k_) in enumerate(zip(pick, nk)):
-            s0 = max(t, prompt_len) if cfg.decode_only else t
-            e = min(T, s0 + cfg.horizon)
-            if peak is not None:
-                fut = peak[:, s0:e, :k_].amax(1)
+        for i, ((s0, e), k_) in enumerate(zip(windows, nk)):
+            if cfg.target == "max":
+                fut = ps.peak[i][:, blocks[:k_]]
             else:
-                fut = (C[:, e, blocks[:k_]] - C[:, s0, blocks[:k_]]) / (e - s0)   # [Hq, k]
+                fut = (ps.at[e][:, blocks[:k_]] - ps.at[s0][:, blocks[:k_]]) / (e - s0)   # [Hq, k]
             targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
 
-    rec = AttentionRecorder(on_layer, cfg.query_chunk)
+    rec = ChunkRecorder(on_chunk, on_layer, cfg.query_chunk, bs, nblocks)
     x = torch.as_tensor(ids, dtype=torch.long, device=model.device)
     model(x, torch.arange(T, device=model.device), rec)
     return {

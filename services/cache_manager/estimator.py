@@ -8,13 +8,15 @@ row (rows batched), so a block is judged against the others (an old
 ``a := 5`` whose key matches a later ``a := 7`` can learn to drop).
 
 The per-block features never change after submission, so the attention part
-is cached per sequence and refreshed every ``rescore_every`` new blocks; new
-blocks in between attend over everything known (exact for them, stale by at
-most ``rescore_every`` blocks for the others). The head turns each block's
-hidden state into a small per-block curve over time features (time since the
-block, its relative position), evaluated at every plan in O(n): scores keep
-moving as the context grows without re-running attention (delayed, stateful
-scoring at O(n) per plan; full O(n^2) only every ``rescore_every`` blocks).
+is cached per sequence. At depth 1 (what we ship) live_attention keeps it exact
+and incremental: each plan merges in only the newcomers' keys, and blocks a row
+has evicted stop being queries; the MLP after the attention is re-run for the
+blocks already held every ``rescore_every`` new blocks. Deeper networks re-run
+the whole stack every ``rescore_every`` new blocks (newcomers in between attend
+over everything known, exact for them, stale for the others). The head turns
+each block's hidden state into a small per-block curve over time features
+(time since the block, its relative position), evaluated at every plan in
+O(n): scores keep moving as the context grows without re-running attention.
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from services.cache_manager.live_attention import LiveRows, gone_rows
 
 N_SCALARS = 7
 N_TIME = 3
@@ -89,15 +93,22 @@ class _Block(nn.Module):
         k, v = self.kv(self.ln1(h)).view(R, n, 2, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         return k, v
 
+    def query(self, h: torch.Tensor) -> torch.Tensor:
+        """Queries of blocks h [R, m, D] -> [R, heads, m, D/heads]."""
+        R, m, D = h.shape
+        return self.q(self.ln1(h)).view(R, m, self.heads, D // self.heads).transpose(1, 2)
+
+    def finish(self, hq: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP from the attention output a [R, heads, m, D/heads]."""
+        R, m, D = hq.shape
+        h = hq + self.o(a.transpose(1, 2).reshape(R, m, D))
+        return h + self.mlp(self.ln2(h))
+
     def forward(self, hq: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_mask: torch.Tensor | None = None) -> torch.Tensor:
         """hq [R, m, D] attends over projected blocks k, v (kv_mask [R, n] True = a real block)."""
-        R, m, D = hq.shape
-        q = self.q(self.ln1(hq)).view(R, m, self.heads, D // self.heads).transpose(1, 2)
         mask = None if kv_mask is None else kv_mask[:, None, None, :]
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        h = hq + self.o(a.transpose(1, 2).reshape(R, m, D))
-        return h + self.mlp(self.ln2(h))
+        return self.finish(hq, F.scaled_dot_product_attention(self.query(hq), k, v, attn_mask=mask))
 
 
 class ValueEstimator(nn.Module):
@@ -216,9 +227,12 @@ class LearnedScorer:
     Keeps each sequence's cached hidden states on its SequenceState."""
     name = "learned"
 
-    def __init__(self, model: ValueEstimator):
+    def __init__(self, model: ValueEstimator, live: bool = True):
+        """live=False: depth-1 networks too take the generic path (full passes
+        every ``rescore_every`` blocks), for `kvpop bench scoring` to compare."""
         self.model = model.eval()
         self.rescore_every = max(1, model.cfg.rescore_every)
+        self.live = live and model.cfg.depth == 1
 
     def compatible(self, L: int, H: int, d: int) -> bool:
         c = self.model.cfg
@@ -237,6 +251,16 @@ class LearnedScorer:
         if c.get("model") is not self.model or c.get("revision") != seq.revision or c.get("n", 0) > n:
             c.clear()
         have = c.get("n", 0)
+        if self.live:
+            # Exact and incremental: see live_attention.
+            live = c.get("live")
+            if live is None:
+                live = LiveRows(self.model, layer, head, self.rescore_every)
+                c.update(model=self.model, revision=seq.revision, live=live)
+            live.update(*block_inputs(a, have), gone_rows(a))
+            c["n"] = n
+            s = self.model.apply_curve(live.curves(), block_times(a))          # [R, n]
+            return s.view(L, H, n).permute(2, 0, 1).numpy()
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
             km, sc = block_inputs(a)

@@ -59,3 +59,19 @@ def test_bench_restores_the_thread_count():
     before = torch.get_num_threads()
     assert main(["bench", "prefix", "--threads", str(before + 1), "--requests", "0"]) == 2
     assert torch.get_num_threads() == before
+
+
+@pytest.mark.timeout(120)
+def test_bench_scoring_replays_a_sequence_on_both_paths(tmp_path):
+    out = tmp_path / "scoring.json"
+    rc = main(["bench", "scoring", "--model", "models/default", "--lengths", "96,160", "--decode", "6",
+               "--prefill-chunk", "32", "--compression", "0.75", "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["length"] for r in rows] == [96, 160]
+    for r in rows:
+        for path in ("live", "full"):
+            m = r[path]
+            # Rows were held to the budget through the replay, one decoded block over at most.
+            assert m["held_max"] <= m["budget"] + 1 and m["budget"] == round(r["length"] * 0.25)
+            assert m["prefill_plans"] == -(-r["length"] // 32) and m["decode_ms_median"] > 0

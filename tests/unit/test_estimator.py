@@ -93,7 +93,7 @@ def test_scorer_incremental_matches_full_pass_for_new_blocks_and_refreshes():
     with torch.no_grad():
         km, sc, tf = rows_from_arrays(seq.arrays())
         full = net(km, sc, tf, layer, head).view(L, H, 12).permute(2, 0, 1).numpy()
-    # New blocks attend over everything known: exact (depth 1). Old ones are stale.
+    # New blocks attend over everything known: exact (depth 1). Old ones wait for the refresh.
     assert np.allclose(inc[10:], full[10:], atol=1e-5)
     assert not np.allclose(inc[:10], full[:10], atol=1e-5)
     for r in _records(a, 12, 14):
@@ -109,6 +109,39 @@ def test_scorer_incremental_matches_full_pass_for_new_blocks_and_refreshes():
         km, sc, tf = rows_from_arrays(seq.arrays())
         full = net(km, sc, tf, layer, head).view(L, H, 14).permute(2, 0, 1).numpy()
     assert np.allclose(scorer.score(seq), full, atol=1e-5)
+
+
+def test_scorer_stays_exact_for_what_rows_hold_while_rows_evict():
+    """Blocks arrive in bursts and rows evict as serving does (mark_gone): every
+    block a row still holds scores exactly as a full pass over all blocks, and
+    evicted blocks stop costing query slots."""
+    net = _net()
+    net.cfg.rescore_every = 1
+    scorer, seq = LearnedScorer(net), ScoringState().get("r")
+    layer, head = row_ids(L, H)
+    a, rng, known = _arrays(60, seed=3), np.random.default_rng(4), 0
+    for burst in (7, 1, 0, 5, 1, 1, 12, 3, 1, 9, 1, 1, 1):
+        for r in _records(a, known, known + burst):
+            seq.add(r)
+        known += burst
+        # Each row forgets a few of the blocks it holds (names as compute sends them, -1 padded).
+        held = ~seq.arrays()["gone"]
+        names = np.full((L, H, 3), -1, np.int32)
+        for li in range(L):
+            for hi in range(H):
+                cand = seq.arrays()["block"][held[:, li, hi]]
+                pick = rng.choice(cand, size=min(len(cand) - 1, int(rng.integers(0, 4))), replace=False)
+                names[li, hi, :len(pick)] = pick
+        seq.mark_gone(names)
+        got = scorer.score(seq)
+        with torch.no_grad():
+            km, sc, tf = rows_from_arrays(seq.arrays())
+            full = net(km, sc, tf, layer, head).view(L, H, known).permute(2, 0, 1).numpy()
+        held = ~seq.arrays()["gone"]
+        assert held.sum() < held.size or known < 8
+        assert np.abs(got - full)[held].max() < 1e-5
+        live = seq.cache["live"]
+        assert live.idx.shape[1] <= held.sum(0).max() + burst
 
 
 def test_scores_move_with_time_without_new_attention():

@@ -172,6 +172,30 @@ def test_records_and_table(tmp_path):
     assert "| random | 50.00% |" in md and (tmp_path / "accuracy.png").stat().st_size > 1000
 
 
+def test_records_break_real_text_results_down_by_length(tmp_path):
+    """A long-context run pools every length in its main table; each length asked
+    for gets its own rows (with its own dense for retention) and table column."""
+    from kvpop.evaluation.harness import Outcome
+    from kvpop.tasks.ruler import TextInstance
+
+    def inst(fam, length, seed):
+        return TextInstance(fam, seed, [{"role": "user", "content": "x"}], ["a"], "a",
+                            prompt_ids=[1] * length, solution_ids=[2], length=length)
+    short, long_ = inst("needle", 1024, 1), inst("needle", 4096, 2)
+    outs = [Outcome(Setting("dense", 0.0), short, True, 3), Outcome(Setting("dense", 0.0), long_, False, 3),
+            Outcome(Setting("learned", 0.875), short, True, 3, budget=128),
+            Outcome(Setting("learned", 0.875), long_, False, 3, budget=512)]
+    rows = report.records(outs, ["needle"])
+    by = {(r["policy"], r["task"], r["length"]): r for r in rows}
+    assert by["learned", "all", None]["accuracy"] == 0.5 and by["learned", "all", None]["n"] == 2
+    assert by["learned", "all", 1024]["accuracy"] == 1.0 and by["learned", "needle", 4096]["accuracy"] == 0.0
+    assert by["learned", "all", 1024]["retention"] == 1.0 and by["learned", "all", 4096]["retention"] is None
+    md = report.markdown(rows, ["needle"])
+    assert "| 1,024 tokens | 4,096 tokens |" in md and "| learned | 87.50% | 1.000 (1) | 0.000 (1) |" in md
+    report.write(rows, ["needle"], tmp_path, {})
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
 def test_recent_share_variant_gives_half_the_budget_to_recent_tokens(tiny_dir):
     assert policy_spec("h2o") == ("h2o", None) and policy_spec("h2o+recent50") == ("h2o", 0.5)
     with pytest.raises(ValueError):

@@ -107,3 +107,25 @@ def test_tight_pool_never_runs_out_of_pages(sc, num_pages, threshold):
     assert finished == admitted
     assert engine.pool.peak_used <= engine.pool.capacity
     assert engine.pool.num_free == engine.pool.capacity
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_plan_rank_is_each_blocks_first_place_in_its_rows_plan(data):
+    """The lookup that places resident blocks in an advisor's plan agrees with
+    comparing every block against every name (-1 pads, names of blocks the row
+    no longer holds, repeated names: the first place counts)."""
+    import torch
+
+    from services.compute.eviction import plan_rank
+    L, H = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
+    nb, k = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 30))
+    rows = [sorted(data.draw(st.sets(st.integers(0, 60), min_size=nb, max_size=nb))) for _ in range(L * H)]
+    names = [data.draw(st.lists(st.integers(-1, 70), min_size=k, max_size=k)) for _ in range(L * H)]
+    bi = torch.tensor(rows, dtype=torch.int32).view(L, H, nb)
+    plan = torch.tensor(names, dtype=torch.int32).view(L, H, k)
+    got = plan_rank(bi, plan)
+    for r in range(L * H):
+        for j, b in enumerate(rows[r]):
+            want = next((i - k for i, x in enumerate(names[r]) if x == b), float("inf"))
+            assert got.view(L * H, nb)[r, j].item() == want
