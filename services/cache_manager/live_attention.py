@@ -28,6 +28,8 @@ import torch
 
 # Bound on the score matrix of one attention step in the plain fallback (floats): 64 MB.
 _CHUNK_ELEMS = 1 << 24
+# Score matrices up to this many floats (16 MB) skip the fused kernel.
+_SMALL = 1 << 22
 
 
 def _attend_plain(q, k, v, scale):
@@ -46,7 +48,15 @@ def _attend_plain(q, k, v, scale):
 
 
 def _attend(q, k, v, scale):
-    """As _attend_plain, through torch's fused CPU kernel (6x faster) when this build has it."""
+    """As _attend_plain: small products (a decode step's one newcomer, or the one
+    new key for every held block) directly, where the fused kernel's per-call
+    cost dominates; large ones through torch's fused CPU kernel (6x faster than
+    the plain loop) when this build has it."""
+    R, h, P, _ = q.shape
+    if R * h * P * k.shape[2] <= _SMALL:
+        s = (q @ k.transpose(-1, -2)) * scale
+        lse = torch.logsumexp(s, -1)
+        return torch.exp(s - lse[..., None]) @ v, lse
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if flash is not None and q.device.type == "cpu":
         try:
@@ -106,16 +116,18 @@ class LiveRows:
         self.out = self.out.gather(2, c[..., None].expand(-1, -1, -1, self.out.shape[3]))
 
     def _drop_gone(self, gone: torch.Tensor) -> None:
-        """gone [R, n] True where the row evicted the block: those slots stop being queries."""
+        """gone [R, n] True where the row evicted the block: those slots stop being
+        queries. Emptied slots are compacted away once they are a quarter of the
+        width (compacting at every decode step cost more than it saved)."""
         if self.idx.shape[1] == 0:
             return
         live = (self.idx >= 0) & ~gone.gather(1, self.idx.clamp_min(0))
-        if bool(live.all()):
-            return
+        self.idx = torch.where(live, self.idx, torch.full_like(self.idx, -1))
         width = int(live.sum(1).max())
+        if 4 * (self.idx.shape[1] - width) <= self.idx.shape[1]:
+            return
         order = live.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :width]
         self._take(order)
-        self.idx = torch.where(live.gather(1, order), self.idx, torch.full_like(self.idx, -1))
 
     def update(self, km: torch.Tensor, sc: torch.Tensor, gone: torch.Tensor) -> None:
         """km [R, m, d], sc [R, m, S]: features of the blocks that arrived since the
