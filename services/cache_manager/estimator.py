@@ -138,10 +138,24 @@ class ValueEstimator(nn.Module):
         return curve[..., 0] + (curve[..., 1:] * tfeat).sum(-1)
 
     # ------------------------------------------------------------ full pass
-    def forward(self, key_mean, scalars, tfeat, layer, head, mask=None) -> torch.Tensor:
+    def forward(self, key_mean, scalars, tfeat, layer, head, mask=None, queries=None) -> torch.Tensor:
         """Training / full re-score. key_mean [R, n, d], scalars [R, n, S],
-        tfeat [R, n, T], layer/head [R], mask [R, n] -> scores [R, n]."""
+        tfeat [R, n, T], layer/head [R], mask [R, n] -> scores [R, n].
+        queries [R, m] (depth 1 only): score just those blocks of each row,
+        every block still a key -> [R, m]. What a long trace's training step
+        can afford (O(m n), not O(n^2)), and what serving computes for the
+        blocks a row still holds."""
         h = self.embed(key_mean, scalars, layer, head)
+        if queries is not None:
+            if len(self.blocks) != 1:
+                raise ValueError("scoring a subset of blocks needs a depth-1 network")
+            blk = self.blocks[0]
+            k, v = blk.project(h)
+            pick = lambda t: t.gather(1, queries[..., None].expand(-1, -1, t.shape[2]))
+            hq = pick(h)
+            mask4 = None if mask is None else mask[:, None, None, :]
+            a = F.scaled_dot_product_attention(blk.query(hq), k, v, attn_mask=mask4)
+            return self.apply_curve(self.curve(blk.finish(hq, a)), pick(tfeat))
         for blk in self.blocks:
             h = blk(h, *blk.project(h), mask)
         return self.apply_curve(self.curve(h), tfeat)

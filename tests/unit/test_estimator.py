@@ -240,3 +240,27 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     save(ValueEstimator(EstimatorConfig(3, 2, 16, d_model=8)), other)
     assert main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--threads", "1",
                  "--traces", str(tmp_path / "traces.pt"), "--init", str(other), "--out", str(out2)]) == 2
+
+
+def test_scoring_a_subset_of_blocks_matches_the_full_pass_there():
+    """Training on long traces scores a sample of each row's blocks against all
+    of them as keys: exactly the full pass's scores for those blocks."""
+    from kvpop.training.train_estimator import query_sample
+
+    net = _net()
+    km, sc, tf = rows_from_arrays(_arrays(40))
+    layer, head = row_ids(L, H)
+    gen = torch.Generator().manual_seed(0)
+    target = torch.rand(L * H, 40, generator=gen)
+    assert query_sample(target, gen, m=40) is None                    # short rows: every block
+    q = query_sample(target, gen, m=16)
+    assert q.shape == (L * H, 16)
+    for r in range(L * H):
+        assert len(set(q[r].tolist())) == 16                          # no block twice
+        assert set(target[r].topk(2).indices.tolist()) <= set(q[r].tolist())   # the row's top is always in
+    with torch.no_grad():
+        full = net(km, sc, tf, layer, head)
+        sub = net(km, sc, tf, layer, head, queries=q)
+    assert torch.allclose(sub, full.gather(1, q), atol=1e-5)
+    with pytest.raises(ValueError, match="depth-1"):
+        _net(depth=2)(km, sc, tf, layer, head, queries=q)
