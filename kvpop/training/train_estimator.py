@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--traces", default=None, help="cache file: loaded if it exists, else written after tracing")
+    p.add_argument("--trace-only", action="store_true",
+                   help="write the --traces file and stop (trace once, train later, e.g. with several settings)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -314,6 +316,9 @@ def run(args) -> int:
     if not bss or not recents or min(bss) < 1 or min(recents) < 0 or args.n < 2:
         print("need block sizes >= 1, recent >= 0 and --n >= 2")
         return 2
+    if args.trace_only and not args.traces:
+        print("--trace-only needs --traces FILE (where the traces go)")
+        return 2
     try:
         lm = load_model(model_dir, dtype="float32")
     except ValueError as e:
@@ -344,6 +349,9 @@ def run(args) -> int:
             return 2
         if cache is not None:
             torch.save(data, cache)
+    if args.trace_only:
+        print(f"{len(data)} traces in {cache}")
+        return 0
     n_val = max(1, len(data) // 8)
     train_data, val_data = data[:-n_val], data[-n_val:]
     mc = lm.config

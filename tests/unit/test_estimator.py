@@ -220,6 +220,11 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
 
     save_hf_model(tmp_path / "m", vocab_size=len(WORDS), max_position_embeddings=1024)
     out = tmp_path / "m" / "estimator.safetensors"
+    # Tracing alone: the traces file and no checkpoint (and it needs a file to write).
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--trace-only"]) == 2
+    rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--min-len", "64", "--max-len", "96",
+               "--block-sizes", "1,4", "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--trace-only"])
+    assert rc == 0 and (tmp_path / "traces.pt").exists() and not out.exists()
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--minutes", "0.05",
                "--min-len", "64", "--max-len", "96", "--block-sizes", "1,4", "--threads", "1",
                "--traces", str(tmp_path / "traces.pt")])
