@@ -135,6 +135,9 @@ class ComputeConfig(ServerConfig):
     pipeline_decode_plans: bool = setting("KVPOP_PIPELINE_DECODE_PLANS", False,
                                           "let a learned sequence decode within its slack while its plan comes "
                                           "(faster at block size 1; evictions then depend on timing)")
+    cleanup_threshold: float = setting("KVPOP_CLEANUP_THRESHOLD", 0.7,
+                                       "share of the pool that admissions may reserve before running budgets "
+                                       "are shrunk to admit more ('inf' = never shrink: new requests wait)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")
@@ -158,6 +161,8 @@ class ComputeConfig(ServerConfig):
             raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
         if self.plan_wait_ms < 0:
             raise ConfigError("KVPOP_PLAN_WAIT_MS must be >= 0")
+        if not self.cleanup_threshold > 0:
+            raise ConfigError("KVPOP_CLEANUP_THRESHOLD must be > 0 (a share of the pool, or 'inf')")
         if self.block_size < 1:
             raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
         if self.max_num_seqs < 1:

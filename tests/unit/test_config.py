@@ -63,3 +63,11 @@ def test_service_rejects_bad_config_cleanly(capsys):
     assert main(["--port", "notaport"]) == 2
     err = capsys.readouterr().err
     assert "--port='notaport'" in err and "Traceback" not in err
+
+
+def test_cleanup_threshold_takes_a_share_or_inf():
+    assert load(ComputeConfig, env={}).cleanup_threshold == 0.7
+    assert load(ComputeConfig, env={"KVPOP_CLEANUP_THRESHOLD": "inf"}).cleanup_threshold == float("inf")
+    for bad in ("0", "-1", "nan", "most"):
+        with pytest.raises(ConfigError, match="KVPOP_CLEANUP_THRESHOLD"):
+            load(ComputeConfig, env={"KVPOP_CLEANUP_THRESHOLD": bad})
