@@ -26,37 +26,38 @@ import math
 import numpy as np
 import torch
 
-# Bound on the score matrix of one attention step in the plain fallback (floats): 64 MB.
+# Bound on the score matrix of one chunk in the fallback without the fused kernel (floats): 64 MB.
 _CHUNK_ELEMS = 1 << 24
 # Score matrices up to this many floats (16 MB) skip the fused kernel.
 _SMALL = 1 << 22
 
 
-def _attend_plain(q, k, v, scale):
+def _direct(q, k, v, scale):
     """Softmax attention of q [R, h, P, dh] over k, v [R, h, N, dh] -> (out [R, h, P, dh],
-    log-sum-exp [R, h, P]), in key chunks so the score matrix stays bounded."""
+    log-sum-exp [R, h, P]), the whole score matrix at once."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _attend_plain(q, k, v, scale):
+    """As _direct, in key chunks merged as they come, so the score matrix stays bounded."""
     R, h, P, _ = q.shape
     step = max(1, _CHUNK_ELEMS // max(1, R * h * P))
-    mx = torch.full((R, h, P), -torch.inf)
-    den, num = torch.zeros(R, h, P), torch.zeros(*q.shape)
-    for j in range(0, k.shape[2], step):
-        s = (q @ k[:, :, j:j + step].transpose(-1, -2)) * scale
-        top = torch.maximum(mx, s.amax(-1))
-        keep, p = torch.exp(mx - top), torch.exp(s - top[..., None])
-        den, num, mx = den * keep + p.sum(-1), num * keep[..., None] + p @ v[:, :, j:j + step], top
-    return num / den[..., None], mx + torch.log(den)
+    out, lse = _direct(q, k[:, :, :step], v[:, :, :step], scale)
+    for j in range(step, k.shape[2], step):
+        out, lse = _merge(out, lse, *_direct(q, k[:, :, j:j + step], v[:, :, j:j + step], scale))
+    return out, lse
 
 
 def _attend(q, k, v, scale):
-    """As _attend_plain: small products (a decode step's one newcomer, or the one
-    new key for every held block) directly, where the fused kernel's per-call
-    cost dominates; large ones through torch's fused CPU kernel (6x faster than
-    the plain loop) when this build has it."""
+    """Attention and its log-sum-exp: small products (a decode step's one
+    newcomer, or the one new key for every held block) directly, where the fused
+    kernel's per-call cost dominates; large ones through torch's fused CPU kernel
+    (6x faster than the chunked loop) when this build has it."""
     R, h, P, _ = q.shape
     if R * h * P * k.shape[2] <= _SMALL:
-        s = (q @ k.transpose(-1, -2)) * scale
-        lse = torch.logsumexp(s, -1)
-        return torch.exp(s - lse[..., None]) @ v, lse
+        return _direct(q, k, v, scale)
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if flash is not None and q.device.type == "cpu":
         try:

@@ -269,3 +269,25 @@ def test_scoring_a_subset_of_blocks_matches_the_full_pass_there():
     assert torch.allclose(sub, full.gather(1, q), atol=1e-5)
     with pytest.raises(ValueError, match="depth-1"):
         _net(depth=2)(km, sc, tf, layer, head, queries=q)
+
+
+def test_attention_paths_agree_on_output_and_log_sum_exp():
+    """The scorer's three ways to attend (whole matrix, key chunks merged, torch's
+    fused kernel) give the same output and log-sum-exp, which merging relies on."""
+    from services.cache_manager import live_attention as la
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 8, generator=g) for n in (5, 37, 37))
+    want_out = torch.softmax(q @ k.transpose(-1, -2) * 0.3, -1) @ v
+    want_lse = torch.logsumexp(q @ k.transpose(-1, -2) * 0.3, -1)
+    old = la._CHUNK_ELEMS
+    la._CHUNK_ELEMS = 3 * 2 * 5 * 4                 # chunks of 4 keys: 10 merges
+    try:
+        paths = [la._direct(q, k, v, 0.3), la._attend_plain(q, k, v, 0.3)]
+    finally:
+        la._CHUNK_ELEMS = old
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is not None:
+        paths.append(flash(q, k, v, scale=0.3)[:2])
+    for out, lse in paths:
+        assert torch.allclose(out, want_out, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
