@@ -30,20 +30,22 @@ def protected_mask(seq: Sequence) -> torch.Tensor:
 
 def plan_rank(block_index: torch.Tensor, names: torch.Tensor) -> torch.Tensor:
     """[L, Hkv, NB] place of each resident block in its row's plan ``names``
-    [L, Hkv, k] (-1 pads) as -k (first named) .. -1, +inf where the plan does
-    not name it. A per-row lookup table indexed by block number: O(NB + k +
-    highest block) per row, where comparing every block with every name cost
-    O(NB * k) (at 8k tokens of 1-token blocks, a billion comparisons a round)."""
+    [L, Hkv, k] (-1 pads; as the advisor sent it, on the host) as -k (first
+    named) .. -1, +inf where the plan does not name it. A per-row lookup table
+    indexed by block number: O(NB + k + highest name) per row, where comparing
+    every block with every name cost O(NB * k) (at 8k tokens of 1-token blocks,
+    a billion comparisons a round). Sized from the names alone (read on the
+    host, no device sync): a resident block past the highest name is unnamed."""
     L, H, NB = block_index.shape
     k = names.shape[-1]
-    bi, names = block_index.reshape(L * H, NB).long(), names.reshape(L * H, k).long()
-    top = max(int(bi.max()) if bi.numel() else 0, int(names.max()) if names.numel() else 0)
-    scratch = top + 1                                   # where the pads go
-    table = torch.full((L * H, top + 2), torch.inf, device=bi.device)
-    place = (torch.arange(k, device=bi.device) - k).float().expand(L * H, k)
+    scratch = (int(names.max()) if names.numel() else -1) + 1       # pads and unnamed blocks look here
+    dev = block_index.device
+    names = names.reshape(L * H, k).long().to(dev)
+    table = torch.full((L * H, scratch + 1), torch.inf, device=dev)
+    place = (torch.arange(k, device=dev) - k).float().expand(L * H, k)
     named = names >= 0
     table.scatter_reduce_(1, torch.where(named, names, scratch), torch.where(named, place, torch.inf), "amin")
-    return table.gather(1, bi).view(L, H, NB)
+    return table.gather(1, block_index.reshape(L * H, NB).long().clamp(max=scratch)).view(L, H, NB)
 
 
 def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,
@@ -59,7 +61,7 @@ def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tens
     scores = scores.float()
     in_plan = None
     if plan is not None:
-        rank = plan_rank(seq.block_index, plan.evict.to(seq.block_index.device))   # plan blocks in [-k, -1]
+        rank = plan_rank(seq.block_index, plan.evict)                   # plan blocks in [-k, -1]
         in_plan = torch.isfinite(rank)
         local = scores.argsort(-1).argsort(-1).float()                  # others in [0, NB-1]
         scores = torch.where(in_plan, rank, local)
