@@ -96,7 +96,8 @@ class ChunkRecorder:
 
 class _PrefixSums:
     """C[:, t] = block mass from the queries before t, kept only at the times
-    asked for, and per window the peak over its queries, from chunks in query order."""
+    asked for, and per window (only those asked for: the "max" target) the
+    peak over its queries, from chunks in query order."""
 
     def __init__(self, Hq: int, nblocks: int, times: set[int], windows: list[tuple[int, int]]):
         self.colsum = torch.zeros(Hq, nblocks)
@@ -155,7 +156,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
 
     def on_chunk(layer, s, mass):
         if layer not in sums:
-            sums[layer] = _PrefixSums(Hq, nblocks, need, windows)
+            sums[layer] = _PrefixSums(Hq, nblocks, need, windows if cfg.target == "max" else [])
         sums[layer].add(s, mass)
 
     def on_layer(layer, k, v):
