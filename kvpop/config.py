@@ -15,6 +15,10 @@ from typing import Any, Callable, Mapping, TypeVar
 
 from kvpop.paths import DEFAULT_MODEL_DIR
 
+# Tokens between a decoding `learned` sequence's eviction plans (compute's
+# KVPOP_PLAN_INTERVAL, the engine's and the trace recorder's default).
+PLAN_INTERVAL = 16
+
 T = TypeVar("T")
 
 
@@ -138,6 +142,9 @@ class ComputeConfig(ServerConfig):
     cleanup_threshold: float = setting("KVPOP_CLEANUP_THRESHOLD", 0.7,
                                        "share of the pool that admissions may reserve before running budgets "
                                        "are shrunk to admit more ('inf' = never shrink: new requests wait)")
+    plan_interval: int = setting("KVPOP_PLAN_INTERVAL", PLAN_INTERVAL,
+                                 "tokens between a decoding `learned` sequence's eviction plans: its features "
+                                 "go to the cache-manager in batches this long (prompt chunks always plan)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")
@@ -159,6 +166,8 @@ class ComputeConfig(ServerConfig):
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0, KVPOP_PREWARM_TOP_K and KVPOP_PREWARM_MAX_S >= 0")
         if self.session_kv_ttl_s <= 0:
             raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
+        if self.plan_interval < 1:
+            raise ConfigError("KVPOP_PLAN_INTERVAL must be >= 1 (tokens)")
         if self.plan_wait_ms < 0:
             raise ConfigError("KVPOP_PLAN_WAIT_MS must be >= 0")
         if not self.cleanup_threshold > 0:

@@ -7,6 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
+from kvpop.config import PLAN_INTERVAL
 from kvpop.model_store import model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
@@ -35,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-len", type=int, default=None, help="shortest prompt (default: the standard test set's)")
     p.add_argument("--max-len", type=int, default=None, help="longest prompt")
     p.add_argument("--block-size", type=int, default=1, help="eviction granularity in tokens")
+    p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
+                   help="tokens between a decoding sequence's eviction plans (compute's KVPOP_PLAN_INTERVAL)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
@@ -107,7 +110,7 @@ def run(args) -> int:
     # than asked: on SmolLM2, 90 rows fill the default pool and it did).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                     max_model_len=max(4096, longest), prefill_chunk=512,
-                                    cleanup_threshold=float("inf")),
+                                    cleanup_threshold=float("inf"), plan_interval=args.plan_interval),
                        advisor=advisor)
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
@@ -125,7 +128,7 @@ def run(args) -> int:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": args.seed,
-            "block_size": args.block_size, "sink": args.sink, "recent": args.recent,
+            "block_size": args.block_size, "plan_interval": args.plan_interval, "sink": args.sink, "recent": args.recent,
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta)
@@ -166,7 +169,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info
     print(f"via {args.via}: model {info.name} ({info.architecture}, {info.num_layers} layers), "
-          f"block size {info.block_size}")
+          f"block size {info.block_size}, plan interval {info.plan_interval}")
     t0 = time.time()
     try:
         settings = [Setting("dense", 0.0)] + [Setting(p, c) for p in policies if p != "dense" for c in comps]
@@ -176,8 +179,8 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     rows = report.records(outcomes, families)
     decisions = {f"{p}@{c}": d for (p, c), d in sorted(harness.decisions.items()) if d.get("evicted")}
     meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
-            "block_size": info.block_size, "sink": args.sink, "recent": args.recent,
-            "seconds": round(time.time() - t0, 1), "decisions": decisions}
+            "block_size": info.block_size, "plan_interval": info.plan_interval, "sink": args.sink,
+            "recent": args.recent, "seconds": round(time.time() - t0, 1), "decisions": decisions}
     out = Path(args.out)
     report.write(rows, families, out, meta)
     print(report.markdown(rows, families))

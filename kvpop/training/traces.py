@@ -38,6 +38,7 @@ class TraceConfig:
     query_chunk: int = 256
     target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)
     decode_only: bool = False    # the horizon counts generated positions only (what decoding will need)
+    plan_interval: int = 1       # tokens: compute's plan interval (decode features go in batches this long)
 
 
 def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
@@ -46,14 +47,18 @@ def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
     return sorted(set(ends)) + list(range(prompt_len + 1, total + 1))
 
 
-def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig) -> np.ndarray:
+def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig, prompt_len: int = 0) -> np.ndarray:
     """[nblocks] step end at which each block is sent (-1: never / a sink block),
-    following compute's ``blocks_leaving_window``."""
+    following compute's ``blocks_leaving_window``: after ``prompt_len``, in
+    batches of the plan interval's blocks."""
     bs, sink_blocks = cfg.block_size, math.ceil(cfg.sink / cfg.block_size)
+    every = max(1, -(-cfg.plan_interval // bs))
     t_sub = np.full(nblocks, -1, np.int64)
     sent = sink_blocks
     for n in ends:
         upto = max(0, (n - cfg.recent) // bs) if cfg.recent > 0 else n // bs
+        if n > prompt_len and upto - sent < every:
+            continue
         upto = min(upto, nblocks)
         if upto > sent:
             t_sub[sent:upto] = n
@@ -127,7 +132,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     G, bs, T = Hq // Hkv, cfg.block_size, len(ids)
     nblocks = T // bs                                      # full blocks only
     ends = step_ends(prompt_len, T, cfg.prefill_chunk)
-    t_sub = submission_times(ends, nblocks, cfg)
+    t_sub = submission_times(ends, nblocks, cfg, prompt_len)
     known = np.nonzero(t_sub >= 0)[0]
     if len(known) < 2:
         return None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpop.config import PLAN_INTERVAL
 from kvpop.model_store import model_arg
 
 KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
@@ -50,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="aggregate of a block's attention over the horizon's queries")
     p.add_argument("--decode-only", action="store_true",
                    help="targets count only generated positions' attention (not the rest of the prompt)")
+    p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
+                   help="compute's plan interval in tokens (decode features are sent in batches this long)")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
     p.add_argument("--min-len", type=int, default=256, help="shortest traced prompt")
     p.add_argument("--max-len", type=int, default=1280, help="longest traced prompt")
@@ -330,7 +333,7 @@ def run(args) -> int:
         print(f"loaded {len(data)} traces from {cache}")
     else:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
-                              target=args.target, decode_only=args.decode_only)
+                              target=args.target, decode_only=args.decode_only, plan_interval=args.plan_interval)
                    for b in bss for r in recents]
         if args.prompts or args.suite == "real":
             from kvpop.training.traces import prompt_file_traces, real_traces

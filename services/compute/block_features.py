@@ -30,13 +30,16 @@ def update_features(seq: Sequence, pool: KVPool) -> None:
     seq.feat_upto = full
 
 
-def blocks_leaving_window(seq: Sequence) -> list[BlockFeatures]:
+def blocks_leaving_window(seq: Sequence, every: int = 1) -> list[BlockFeatures]:
     """Features of blocks that just left the protected recent window: the
     delayed decision point. They are resident in every row (never evicted
-    while protected)."""
+    while protected). After the prompt they go in batches of ``every`` blocks
+    (the engine's plan interval); the prompt's chunk ends always send."""
     st, bs, n = seq.eviction, seq.block_size, seq.num_cached
     upto = max(0, (n - st.recent) // bs) if st.recent > 0 else n // bs
     start = max(seq.sent_upto, st.sink_blocks)
+    if n > seq.num_prompt and upto - start < every:
+        return []
     out = []
     for b in range(start, upto):
         col = (seq.block_index < b).sum(-1, keepdim=True).long()       # [L, Hkv, 1]

@@ -22,6 +22,7 @@ from typing import Iterator
 
 import torch
 
+from kvpop.config import PLAN_INTERVAL
 from services.compute import detokenize
 from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.block_features import blocks_leaving_window, resident_block_features, update_features
@@ -61,6 +62,11 @@ class EngineConfig:
     # 1 let compute flood it: network share fell from 100% to 16-75% under load).
     plan_slack_blocks: int = 2
     plan_wait_s: float = 2.0              # most a learned sequence is held for a plan before the fallback
+    # Decode: features go to the advisor (and a plan comes back) once this many tokens'
+    # blocks have left the recent window; prompt chunk ends always send. At block size 1
+    # a plan per token made the cache-manager the bottleneck under load; the plan in hand
+    # ranks every older block, and the blocks not yet sent are kept until the next one.
+    plan_interval: int = PLAN_INTERVAL
     # Decode rounds: False (default) holds the sequence for its plan as prefill does, so
     # served evictions are exactly the in-process ones (deterministic: the eval measures
     # what is served); True lets it decode within its slack while the plan comes.
@@ -406,7 +412,7 @@ class LLMEngine:
             return
         if self._advisor_up():
             self._sync_advisor(seq)
-            feats = blocks_leaving_window(seq)
+            feats = blocks_leaving_window(seq, self._plan_every(seq))
             if feats:
                 if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
                     seq.submitted_at.clear()
@@ -415,6 +421,9 @@ class LLMEngine:
         else:
             blocks_leaving_window(seq)   # advances sent_upto: re-sent in full when the advisor is back
         self._learned_round(seq, time.monotonic())
+
+    def _plan_every(self, seq: Sequence) -> int:
+        return max(1, -(-self.config.plan_interval // seq.block_size))
 
     def _learned_round(self, seq: Sequence, now: float) -> None:
         """A learned sequence over its budget evicts on a fresh plan; without

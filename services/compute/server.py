@@ -91,7 +91,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
                           num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
                           session_ttl_s=cfg.session_kv_ttl_s, plan_wait_s=cfg.plan_wait_ms / 1000.0,
-                          pipeline_decode_plans=cfg.pipeline_decode_plans, cleanup_threshold=cfg.cleanup_threshold)
+                          pipeline_decode_plans=cfg.pipeline_decode_plans, cleanup_threshold=cfg.cleanup_threshold,
+                          plan_interval=cfg.plan_interval)
         if cfg.max_model_len is not None:
             ec.max_model_len = cfg.max_model_len
         if cfg.cache_manager_address:
@@ -106,7 +107,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
             max_model_len=eng.max_model_len, block_size=cfg.block_size, policies=list(POLICY_NAMES),
             placeholder=bool(raw.get("kvpop_placeholder", False)), vocab_size=mc.vocab_size,
             dtype=str(eng.model.dtype).removeprefix("torch."), device=device,
-            chat_template=eng.tokenizer.chat_template is not None)
+            chat_template=eng.tokenizer.chat_template is not None, plan_interval=cfg.plan_interval)
         log.info("model %s loaded (%s, %s on %s, %d pages)", cfg.model, mc.architecture,
                  self.model_info.dtype, device, eng.pool.capacity)
 

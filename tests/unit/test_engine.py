@@ -233,7 +233,8 @@ def test_learned_waits_for_plans_and_counts_fallback_by_reason(model):
 def test_learned_round_events_and_stats(model):
     """Eviction rounds are reported on the outputs (trace events) with their
     source and plan age, and the engine's stats split evictions by source."""
-    engine = tiny_engine(model, advisor=ScriptedAdvisor(delay=1), prefill_chunk=8)
+    # A plan per block (plan interval = block size): every round waits for its own plan.
+    engine = tiny_engine(model, advisor=ScriptedAdvisor(delay=1), prefill_chunk=8, plan_interval=4)
     outs = list(engine.generate(random_prompt(60, seed=7), SamplingParams(max_tokens=20, ignore_eos=True),
                                 EvictionParams("learned", budget=24, sink=4, recent=4)))
     rounds = [r for o in outs for r in o.rounds]

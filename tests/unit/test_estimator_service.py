@@ -183,8 +183,9 @@ def test_local_advisor_protocol():
     assert adv.take_plans()["r"].evict.shape == (L, H, 3)          # a released sequence starts afresh
 
 
-def _run_learned(advisor, prompt, budget=32):
-    eng = tiny_engine(tiny_model(seed=7), advisor=advisor, block_size=4)
+def _run_learned(advisor, prompt, budget=32, **config):
+    config.setdefault("block_size", 4)
+    eng = tiny_engine(tiny_model(seed=7), advisor=advisor, **config)
     eng.add_request("r", prompt, SamplingParams(max_tokens=40, ignore_eos=True),
                     EvictionParams("learned", budget=budget, sink=4, recent=8))
     tokens, peak, usage = [], 0, None
@@ -208,3 +209,34 @@ def test_engine_with_local_advisor_follows_plans_deterministically():
     assert "r" not in adv.planner.state.sequences                  # released at finish
     again, _, _ = _run_learned(LocalAdvisor(model=_net(1)), prompt)
     assert again == tokens
+
+
+class _Counting(LocalAdvisor):
+    """Records the size of every features batch it plans."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.batches = []
+
+    def submit(self, features, gone=None):
+        self.batches.append(len(features))
+        super().submit(features, gone)
+
+
+@pytest.mark.parametrize("interval", [1, 6])
+def test_decode_plans_come_once_per_plan_interval(interval):
+    """Block size 1: after the prompt, features go in batches of `plan_interval`
+    blocks and each is planned once; between plans every round evicts on the
+    plan in hand (all evictions are the network's, none unranked) and the
+    budget holds."""
+    prompt = random_prompt(60, seed=5)
+    adv = _Counting(model=_net(1))
+    tokens, peak, usage = _run_learned(adv, prompt, budget=24, block_size=1, plan_interval=interval)
+    assert len(tokens) == 40 and usage.kv_blocks_evicted > 0
+    assert usage.network_evictions == usage.kv_blocks_evicted
+    assert peak <= 60                                  # the prompt (one chunk), then the budget
+    decode = adv.batches[1:]                           # the first batch is the prompt's chunk
+    assert decode and all(n == interval for n in decode), adv.batches
+    # The prompt sends 60 - 8 (recent) - 4 (sink) blocks; the 38 decode steps before the
+    # last (the request ends there) push 38 more out of the window.
+    assert sum(adv.batches) == 60 - 8 - 4 + 38 // interval * interval

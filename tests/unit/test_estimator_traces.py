@@ -92,19 +92,21 @@ def test_targets_and_features_match_a_naive_dense_computation(target):
                     assert abs(tgt[l, h, j] - want) < 1e-5
 
 
-def test_trace_features_are_what_the_engine_streams():
+@pytest.mark.parametrize("interval", [1, 12])
+def test_trace_features_are_what_the_engine_streams(interval):
     model = tiny_model(seed=5)
     rec = Recording()
     # It never plans: pipelined, the sequence does not wait for plans (nothing is evicted anyway).
-    eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True)
+    eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True,
+                      plan_interval=interval)
     prompt = random_prompt(37, seed=2)
     # budget = the whole request: nothing is evicted, so compute's statistics are the dense ones.
     eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
                     EvictionParams("learned", budget=1.0, sink=4, recent=8))
     out = run_all(eng)["r"]
     ids = prompt + [o.token_id for o in out][:-1]   # the last sampled token is never fed
-    ex = trace(model, ids, len(prompt), TraceConfig(block_size=4, sink=4, recent=8, prefill_chunk=16),
-               random.Random(0))
+    ex = trace(model, ids, len(prompt), TraceConfig(block_size=4, sink=4, recent=8, prefill_chunk=16,
+                                                    plan_interval=interval), random.Random(0))
     got = {f.block: f for f in rec.features}
     assert len(got) == len(rec.features)               # each block sent once
     # The engine skips the step that finishes the request; the trace's decisions stop before it too.
