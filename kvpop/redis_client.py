@@ -7,6 +7,7 @@ so socket and connect timeouts are always set and retries are few and short.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import AsyncIterator
 
@@ -40,10 +41,44 @@ def connect(url: str, timeout_s: float = 1.0) -> aioredis.Redis:
     )
 
 
+def deadline_s(client: aioredis.Redis, default: float = 10.0) -> float:
+    """An upper bound on one call through `client` when every try times out.
+
+    A backstop for `unavailable_as(timeout_s=...)`, not the normal failure path:
+    a refused or timed-out socket already fails the call well within it."""
+    kw = client.connection_pool.connection_kwargs
+    read = kw.get("socket_timeout")
+    conn = kw.get("socket_connect_timeout") or read
+    if not read or not conn:
+        return default
+    tries = 1 + max(0, client.get_retry().get_retries())
+    # Per try: connect, one handshake reply, one command reply.
+    return tries * (conn + 2 * read) + 0.5
+
+
 @contextlib.asynccontextmanager
-async def unavailable_as(what: str) -> AsyncIterator[None]:
-    """Turn any Redis or socket failure inside the block into RedisUnavailable."""
+async def unavailable_as(what: str, timeout_s: float | None = None) -> AsyncIterator[None]:
+    """Turn any Redis or socket failure inside the block into RedisUnavailable;
+    with `timeout_s`, also a block still running after `timeout_s` seconds.
+
+    A cancel sent to the task while it was inside the block always propagates
+    as CancelledError, even where redis-py lost it (see below)."""
+    task = asyncio.current_task()
+    cancels_before = task.cancelling() if task is not None else 0
+    deadline = asyncio.timeout(timeout_s)
     try:
-        yield
+        async with deadline:
+            yield
+            # redis-py writes every command under asyncio.wait_for(...,
+            # socket_timeout), and on Python 3.11 wait_for drops a cancel that
+            # lands in the loop iteration where the write finishes (CPython
+            # gh-86296): the command returns normally and the cancelled task
+            # runs on. Heartbeat.stop() waited forever on such a task after a
+            # Redis restart, when the heartbeat was cancelled mid-reconnect.
+            if task is not None and task.cancelling() > cancels_before:
+                raise asyncio.CancelledError
     except (RedisError, OSError) as e:
+        if deadline.expired():
+            raise RedisUnavailable(
+                f"{what}: redis unavailable (no answer within {timeout_s} s)") from e
         raise RedisUnavailable(f"{what}: redis unavailable ({type(e).__name__}: {e})") from e

@@ -16,11 +16,14 @@ Keys (all JSON, all under `kvpop:v1:`):
 adding the caller's own in-flight streams per replica (a heartbeat is up to
 `interval_s / 3` old, and a burst of requests must not all land on one
 replica). A session sticks to its replica while that replica is healthy.
+
+Every Redis call here ends within `op_timeout_s` (RedisUnavailable if Redis
+has not answered by then), and a cancelled caller always gets CancelledError:
+a Redis restart must cost the gateway and the replicas an error, never a hang.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -29,7 +32,7 @@ from typing import Awaitable, Callable, Mapping
 
 import redis.asyncio as aioredis
 
-from kvpop.redis_client import KEY_PREFIX, unavailable_as
+from kvpop.redis_client import KEY_PREFIX, deadline_s, unavailable_as
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +64,22 @@ class NoReplicaAvailable(LookupError):
 
 
 class ReplicaRegistry:
-    def __init__(self, client: aioredis.Redis, interval_s: float = DEFAULT_INTERVAL_S):
+    def __init__(self, client: aioredis.Redis, interval_s: float = DEFAULT_INTERVAL_S,
+                 op_timeout_s: float | None = None):
+        """op_timeout_s: the most one registry call may take; by default what
+        the client's own timeouts and retries add up to."""
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.redis = client
         self.interval_s = interval_s
+        self.op_timeout_s = op_timeout_s if op_timeout_s is not None else deadline_s(client)
+        if self.op_timeout_s <= 0:
+            raise ValueError("op_timeout_s must be > 0")
 
     async def register(self, replica: Replica) -> None:
         """Write (or refresh) the replica's entry with a TTL of one interval."""
         replica.updated_at = time.time()
-        async with unavailable_as("registering replica"):
+        async with unavailable_as("registering replica", self.op_timeout_s):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.set(replica_key(replica.id), json.dumps(asdict(replica)),
                          px=int(self.interval_s * 1000))
@@ -79,14 +88,14 @@ class ReplicaRegistry:
 
     async def deregister(self, replica_id: str) -> None:
         """Drop the replica now (draining on SIGTERM), not one interval later."""
-        async with unavailable_as("deregistering replica"):
+        async with unavailable_as("deregistering replica", self.op_timeout_s):
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.delete(replica_key(replica_id))
                 pipe.srem(INDEX_KEY, replica_id)
                 await pipe.execute()
 
     async def healthy_replicas(self) -> list[Replica]:
-        async with unavailable_as("listing replicas"):
+        async with unavailable_as("listing replicas", self.op_timeout_s):
             ids = sorted(await self.redis.smembers(INDEX_KEY))
             if not ids:
                 return []
@@ -138,7 +147,8 @@ class Heartbeat:
 
     `load` is called before each beat (e.g. running + waiting from
     `engine.stats()`). A beat that fails because Redis is down is logged and
-    retried at the next period: the replica keeps serving its streams."""
+    retried at the next period: the replica keeps serving its streams.
+    `stop()` returns within about one registry call, wherever it lands."""
 
     def __init__(self, registry: ReplicaRegistry, replica: Replica,
                  load: Callable[[], int | Awaitable[int]] | None = None):
@@ -149,6 +159,7 @@ class Heartbeat:
         self.failures = 0
         self.last_ok: bool | None = None     # whether the last beat reached Redis (None: none yet)
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     async def beat(self) -> None:
         if self.load is not None:
@@ -166,25 +177,41 @@ class Heartbeat:
 
     async def _run(self) -> None:
         period = self.registry.interval_s / 3
-        while True:
+        while not self._stopping:
             started = time.monotonic()
             try:
                 await self.beat()
             except Exception as e:  # noqa: BLE001 — never let the heartbeat task die
                 self.failures += 1
                 log.warning("replica heartbeat failed: %s", e)
+            # A cancel swallowed by code outside the registry (a `load`
+            # callable, a library) must still end the loop, not beat forever.
+            if self._stopping:
+                return
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 
     def start(self) -> "Heartbeat":
+        self._stopping = False
         self._task = asyncio.get_running_loop().create_task(self._run(), name="replica-heartbeat")
         return self
 
     async def stop(self, deregister: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None:
+            self._stopping = True
+            task.cancel()
+            # asyncio.wait, not `await task` under suppress(CancelledError):
+            # that would also swallow a cancel of stop()'s own caller, and
+            # it waits without a bound.
+            limit = self.registry.op_timeout_s + 1.0
+            done, _ = await asyncio.wait({task}, timeout=limit)
+            if not done:
+                log.error("replica heartbeat still running %.1f s after stop(); "
+                          "it ends after its current beat", limit)
+            elif not task.cancelled() and task.exception() is not None:
+                log.warning("replica heartbeat ended with %r", task.exception())
         if deregister:
-            with contextlib.suppress(Exception):
+            try:
                 await self.registry.deregister(self.replica.id)
+            except Exception as e:  # noqa: BLE001 — the entry expires within one interval anyway
+                log.warning("replica %s not deregistered: %s", self.replica.id, e)

@@ -18,6 +18,17 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def ends_within(aw, timeout: float, what: str) -> asyncio.Task:
+    """The task running `aw`, once done; a test failure (not a hang until
+    pytest-timeout) if it is still running after `timeout` seconds."""
+    task = asyncio.ensure_future(aw)
+    await asyncio.wait({task}, timeout=timeout)
+    if not task.done():
+        task.cancel()
+        pytest.fail(f"{what} still running after {timeout} s")
+    return task
+
+
 async def wait_for(predicate, timeout: float, step: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -146,7 +157,67 @@ def test_redis_killed_mid_use_raises_quickly_and_recovers(redis_server):
         redis_server.start()
         await wait_for(a_up, 5)
         assert (await reg.pick()).id == "a"
-        await hb.stop()
+        # The entry may be a stale one from the append-only file, so stop()
+        # can land while the heartbeat is still reconnecting: it must end.
+        task = hb._task
+        await ends_within(hb.stop(), 3, "Heartbeat.stop() after a Redis restart")
+        assert task.done() and await reg.healthy_replicas() == []
+        await ends_within(client.aclose(), 3, "client.aclose()")
+    run(go())
+
+
+def test_stop_and_cancel_end_wherever_the_cancel_lands(redis_server):
+    """redis-py writes each command under asyncio.wait_for, which on Python
+    3.11 drops a cancel landing in the loop step where the write completes
+    (CPython gh-86296). Cancel at every step of a beat / a pick on a fresh
+    connection (connect, handshake, command): the task must end, cancelled."""
+    async def go():
+        stopped = []
+        for k in range(40):
+            client = connect(redis_server.url, timeout_s=0.5)
+            reg = ReplicaRegistry(client, interval_s=0.6)
+            hb = Heartbeat(reg, Replica("a", "h:1")).start()
+            for _ in range(k):
+                await asyncio.sleep(0)
+            task = hb._task
+            await ends_within(hb.stop(deregister=False), 3,
+                              f"Heartbeat.stop() cancelling {k} loop steps into a beat")
+            assert task.done()
+            stopped.append((k, hb, hb.beats + hb.failures))
+            await client.aclose()
+
+            client = connect(redis_server.url, timeout_s=0.5)
+            reg = ReplicaRegistry(client, interval_s=0.6)
+            pick = asyncio.ensure_future(reg.pick())
+            for _ in range(k):
+                await asyncio.sleep(0)
+            if pick.cancel():
+                await ends_within(pick, 3, f"pick() cancelled {k} loop steps in")
+                assert pick.cancelled(), f"pick() cancelled {k} loop steps in ran on to {pick!r}"
+            await client.aclose()
+        await asyncio.sleep(0.3)   # more than one heartbeat period
+        assert [(k, hb.beats + hb.failures) for k, hb, _ in stopped] == [(k, n) for k, _, n in stopped]
+    run(go())
+
+
+def test_registry_call_has_a_deadline(redis_server):
+    """Whatever a Redis call waits on, it ends within op_timeout_s."""
+    import signal
+
+    async def go():
+        client = connect(redis_server.url, timeout_s=5)
+        reg = ReplicaRegistry(client, interval_s=5, op_timeout_s=0.3)
+        await reg.register(Replica("a", "h:1"))
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RedisUnavailable, match="no answer within 0.3 s"):
+                await reg.pick()
+            assert time.monotonic() - t0 < 1.5
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        # The connection that timed out is not handed out half-read.
+        assert (await reg.pick()).id == "a"
         await client.aclose()
     run(go())
 
