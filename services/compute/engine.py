@@ -27,7 +27,8 @@ from services.compute import detokenize
 from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.block_features import blocks_leaving_window, resident_block_features, update_features
 from services.compute.budget import EvictionParams, resolve_eviction
-from services.compute.eviction import drop_outside_window, eviction_round, overshoot, plan_problem, usable_plan
+from services.compute.eviction import (Round, drop_outside_window, evict_rounds, eviction_round, overshoot,
+                                       plan_problem, usable_plan)
 from services.compute.kv_pool import KVPool
 from services.compute.model_runner import ModelRunner
 from services.compute.policies import LEARNED, get_policy
@@ -151,6 +152,7 @@ class LLMEngine:
         self.evictions_by_source: Counter = Counter()   # (policy, source, reason) -> blocks, finished requests
         self.idle = True                                # the last step had nothing to run
         self._advisor_failed = False
+        self._due: list = []                            # rounds of this step, run together
 
     # ------------------------------------------------------------ requests
     def make_sequence(self, request_id: str, prompt_token_ids: list[int],
@@ -323,6 +325,7 @@ class LLMEngine:
         for seq, _ in batch:
             if not seq.is_finished and seq.eviction.budget_blocks is not None:
                 self._after_step(seq)
+        self._flush_rounds()
         return outputs
 
     def _advise(self, call, *args):
@@ -373,6 +376,7 @@ class LLMEngine:
         for seq in learned:
             if seq.holding or overshoot(seq) > 0:
                 self._learned_round(seq, now)
+        self._flush_rounds()
 
     def _sync_advisor(self, seq: Sequence) -> None:
         """An advisor that restarted (or a session turn under a new request id)
@@ -423,7 +427,18 @@ class LLMEngine:
         self._learned_round(seq, time.monotonic())
 
     def _plan_every(self, seq: Sequence) -> int:
-        return max(1, -(-self.config.plan_interval // seq.block_size))
+        """Blocks per features batch: the plan interval's, or 1 (send now) when
+        the plan in hand is about to run out of blocks it may evict (a small
+        budget: rounds would otherwise evict blocks no plan ranked)."""
+        every = max(1, -(-self.config.plan_interval // seq.block_size))
+        if every > 1 and seq.eviction.budget_blocks is not None:
+            # Blocks past sent_upto are in every row (no plan names them), so every
+            # row holds the same number of sent blocks; sink blocks never go.
+            total, sink = -(-seq.num_cached // seq.block_size), seq.eviction.sink_blocks
+            named = seq.num_blocks - (total - max(seq.sent_upto, sink)) - sink
+            if named < 2:
+                return 1
+        return every
 
     def _learned_round(self, seq: Sequence, now: float) -> None:
         """A learned sequence over its budget evicts on a fresh plan; without
@@ -468,31 +483,39 @@ class LLMEngine:
         self._round(seq, None, reason)
 
     def _round(self, seq: Sequence, plan, reason: str) -> None:
-        before = Counter(seq.evictions)
-        eviction_round(seq, self.pool, plan, reason)
-        waited = seq.plan_wait_since
-        seq.plan_wait_since = None
-        delta = seq.evictions - before
-        if not delta:
+        """Queue the sequence's round; the step runs all of them at once (_flush_rounds)."""
+        self._due.append((seq, plan, reason))
+
+    def _flush_rounds(self) -> None:
+        due, self._due = self._due, []
+        if not due:
             return
+        before = [Counter(seq.evictions) for seq, _, _ in due]
+        evict_rounds([Round(seq, overshoot(seq), plan, reason) for seq, plan, reason in due], self.pool)
         step = self.counters["steps"]
-        event = {"blocks": sum(delta.values()), "step": step,
-                 "sources": ",".join(f"{src}:{why}" if why else src for src, why in sorted(delta))}
-        if plan is not None:
-            at = seq.submitted_at.get(plan.covers)
-            event["plan_age_steps"] = -1 if at is None else step - at
-            for k in [k for k in seq.submitted_at if k < plan.covers]:
-                del seq.submitted_at[k]
-        if waited is not None:
-            event["held_ms"] = round(1000 * (time.monotonic() - waited), 2)
-        if len(seq.rounds) < 256:
-            seq.rounds.append(event)
-        fell_back = sum(n for (src, _), n in delta.items() if src == FALLBACK)
-        if fell_back and not seq.fallback_warned:
-            seq.fallback_warned = True
-            why = sorted({r for (src, r) in delta if src == FALLBACK})
-            log.warning("request %s (learned): %d blocks evicted by the local fallback (%s); "
-                        "warned once per request", seq.request_id, fell_back, ",".join(why))
+        for (seq, plan, reason), was in zip(due, before):
+            waited = seq.plan_wait_since
+            seq.plan_wait_since = None
+            delta = seq.evictions - was
+            if not delta:
+                continue
+            event = {"blocks": sum(delta.values()), "step": step,
+                     "sources": ",".join(f"{src}:{why}" if why else src for src, why in sorted(delta))}
+            if plan is not None:
+                at = seq.submitted_at.get(plan.covers)
+                event["plan_age_steps"] = -1 if at is None else step - at
+                for k in [k for k in seq.submitted_at if k < plan.covers]:
+                    del seq.submitted_at[k]
+            if waited is not None:
+                event["held_ms"] = round(1000 * (time.monotonic() - waited), 2)
+            if len(seq.rounds) < 256:
+                seq.rounds.append(event)
+            fell_back = sum(n for (src, _), n in delta.items() if src == FALLBACK)
+            if fell_back and not seq.fallback_warned:
+                seq.fallback_warned = True
+                why = sorted({r for (src, r) in delta if src == FALLBACK})
+                log.warning("request %s (learned): %d blocks evicted by the local fallback (%s); "
+                            "warned once per request", seq.request_id, fell_back, ",".join(why))
 
     def _emit(self, seq: Sequence, tok: int, logprob) -> StepOutput:
         p = seq.sampling

@@ -7,13 +7,14 @@ evicted. A round frees the same number of blocks in every (layer, kv-head) row
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvkernels import ops
 from services.compute.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
 from services.compute.kv_pool import KVPool
 from services.compute.policies import LEARNED
-from services.compute.sequence import Sequence
+from services.compute.sequence import COLUMN_FIELDS, Sequence
 
 
 # ------------------------------------------------------------------- rounds
@@ -31,57 +32,135 @@ def protected_mask(seq: Sequence) -> torch.Tensor:
 def plan_rank(block_index: torch.Tensor, names: torch.Tensor) -> torch.Tensor:
     """[L, Hkv, NB] place of each resident block in its row's plan ``names``
     [L, Hkv, k] (-1 pads; as the advisor sent it, on the host) as -k (first
-    named) .. -1, +inf where the plan does not name it. A per-row lookup table
-    indexed by block number: O(NB + k + highest name) per row, where comparing
-    every block with every name cost O(NB * k) (at 8k tokens of 1-token blocks,
-    a billion comparisons a round). Sized from the names alone (read on the
-    host, no device sync): a resident block past the highest name is unnamed."""
-    L, H, NB = block_index.shape
-    k = names.shape[-1]
-    scratch = (int(names.max()) if names.numel() else -1) + 1       # pads and unnamed blocks look here
-    dev = block_index.device
-    names = names.reshape(L * H, k).long().to(dev)
+    named) .. -1, +inf where the plan does not name it."""
+    return _plan_ranks([block_index], [names])
+
+
+def _plan_ranks(block_index: list[torch.Tensor], names: list[torch.Tensor | None]) -> torch.Tensor:
+    """``plan_rank`` of several sequences at once, [L, Hkv, sum NB] (their
+    columns side by side). A per-row lookup table indexed by block number,
+    each sequence's numbers shifted past the previous one's: O(NB + k +
+    highest name) per row, where comparing every block with every name cost
+    O(NB * k) (at 8k tokens of 1-token blocks, a billion comparisons a round).
+    Sized from the names alone (read on the host, no device sync): a resident
+    block past a plan's highest name is unnamed."""
+    L, H = block_index[0].shape[:2]
+    dev = block_index[0].device
+    widths = [0 if n is None or not n.numel() else int(n.max()) + 1 for n in names]
+    bases = [sum(widths[:i]) for i in range(len(widths))]
+    scratch = sum(widths)                                          # pads and unnamed blocks look here
     table = torch.full((L * H, scratch + 1), torch.inf, device=dev)
-    place = (torch.arange(k, device=dev) - k).float().expand(L * H, k)
-    named = names >= 0
-    table.scatter_reduce_(1, torch.where(named, names, scratch), torch.where(named, place, torch.inf), "amin")
-    return table.gather(1, block_index.reshape(L * H, NB).long().clamp(max=scratch)).view(L, H, NB)
+    planned = [(n, b) for n, b in zip(names, bases) if n is not None and n.shape[-1]]
+    if planned:
+        cat = torch.cat([n.reshape(L * H, -1) for n, _ in planned], 1).long().to(dev)
+        ks = [n.shape[-1] for n, _ in planned]
+        # Per name column: its sequence's base and its place -k .. -1 in that plan.
+        base = torch.tensor([b for (_, b), k in zip(planned, ks) for _ in range(k)], device=dev)
+        place = torch.tensor([float(j - k) for k in ks for j in range(k)], device=dev)
+        named = cat >= 0
+        table.scatter_reduce_(1, torch.where(named, cat + base, scratch),
+                              torch.where(named, place.expand_as(cat), torch.inf), "amin")
+    cols = []
+    for bi, w, b in zip(block_index, widths, bases):
+        bi = bi.reshape(L * H, -1).long()
+        cols.append(torch.where(bi < w, bi + b, scratch) if w else torch.full_like(bi, scratch))
+    idx = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
+    return table.gather(1, idx).view(L, H, -1)
+
+
+@dataclass
+class Round:
+    """One sequence's eviction round: free ``num_evict`` blocks from every row."""
+    seq: Sequence
+    num_evict: int
+    plan: EvictionPlan | None = None
+    reason: str = ""
+    scores: torch.Tensor | None = None        # [L, Hkv, NB]; None: the sequence's policy scores
 
 
 def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,
                  plan: EvictionPlan | None = None, reason: str = "") -> None:
     """Free ``num_evict`` evictable blocks from every row: the first resident
-    evictable blocks named by ``plan`` (if any), then the lowest ``scores``.
+    evictable blocks named by ``plan`` (if any), then the lowest ``scores``."""
+    evict_rounds([Round(seq, num_evict, plan, reason, scores)], pool)
+
+
+def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
+    """Run several sequences' rounds as one: their rows' columns side by side,
+    one sort and one gather per field for all of them. At block size 1 every
+    budgeted sequence evicts at every decode step, and a round per sequence
+    (a few dozen small tensor operations each) cost more than the forward.
+    Per row the order is: blocks the plan names, by first place; then the
+    rest by lowest score (ties: the older block); never a protected block.
     Every freed block is counted with where its ranking came from."""
-    if num_evict <= 0:
+    rounds = [r for r in rounds if r.num_evict > 0]
+    if not rounds:
         return
-    L, H, NB = seq.page_table.shape
-    R = L * H
-    evictable = ~protected_mask(seq)
-    scores = scores.float()
-    in_plan = None
-    if plan is not None:
-        rank = plan_rank(seq.block_index, plan.evict)                   # plan blocks in [-k, -1]
-        in_plan = torch.isfinite(rank)
-        local = scores.argsort(-1).argsort(-1).float()                  # others in [0, NB-1]
-        scores = torch.where(in_plan, rank, local)
-    cols = ops.eviction_select(scores.reshape(R, NB), evictable.reshape(R, NB), num_evict)
-    pages = seq.page_table.reshape(R, NB).gather(1, cols)
-    if seq.eviction.policy == LEARNED:
-        seq.gone.append(seq.block_index.reshape(R, NB).gather(1, cols).view(L, H, num_evict).cpu())
-    drop = torch.zeros(R, NB, dtype=torch.bool, device=cols.device).scatter_(1, cols, True)
-    keep = torch.arange(NB, device=cols.device).expand(R, NB)[~drop].view(L, H, NB - num_evict)
-    if in_plan is not None:
-        unranked = int((~in_plan.reshape(R, NB).gather(1, cols)).sum())
-        seq.count_evictions(plan.source, "", R * num_evict - unranked)
-        seq.count_evictions(FALLBACK, UNRANKED, unranked)
-    elif seq.eviction.policy == LEARNED:
-        seq.count_evictions(FALLBACK, reason or NO_PLAN, R * num_evict)
-    else:
-        seq.count_evictions(LOCAL, "", R * num_evict)
-    seq.keep_columns(keep)
-    pool.free(pages)
-    seq.eviction_rounds += 1
+    seqs = [r.seq for r in rounds]
+    L, H = seqs[0].page_table.shape[:2]
+    R, dev = L * H, seqs[0].page_table.device
+    sizes = [s.num_blocks for s in seqs]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    N = sum(sizes)
+    cat = lambda ts: torch.cat(ts, 2) if len(ts) > 1 else ts[0]
+    bi = cat([s.block_index for s in seqs])
+    # Protection (sink, recent window, newest block), per column of its sequence.
+    col = torch.arange(N, device=dev)
+    seg = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev))
+    per = lambda vals: torch.tensor(vals, device=dev)[seg]
+    BIG = 1 << 62
+    cut = [(s.num_cached - s.eviction.recent) // s.block_size if s.eviction.recent > 0 else BIG for s in seqs]
+    protected = ((bi < per([s.eviction.sink_blocks for s in seqs])) | (bi >= per(cut))
+                 | (col == per([st + n - 1 for st, n in zip(starts, sizes)])))
+    scores = cat([(r.scores if r.scores is not None else r.seq.policy.score(r.seq)).float() for r in rounds])
+    rank = _plan_ranks([s.block_index for s in seqs], [r.plan.evict if r.plan is not None else None
+                                                        for r in rounds])
+    # Stable sorts, least significant key first: score, plan place, protected, sequence.
+    order = torch.sort(scores, dim=2, stable=True).indices
+    for key in (rank, protected.to(torch.uint8), seg.expand(L, H, N)):
+        order = order.gather(2, torch.sort(key.gather(2, order), dim=2, stable=True).indices)
+    # Each sequence's columns now come in its own span, evictable first, lowest first.
+    take = torch.tensor([st + j for st, r in zip(starts, rounds) for j in range(r.num_evict)], device=dev)
+    chosen = order.index_select(2, take)                                   # [L, Hkv, sum k]
+    if bool(protected.gather(2, chosen).any()):
+        raise ValueError(f"an eviction round asks more blocks than a row has evictable "
+                         f"({', '.join(f'{r.seq.request_id}: {r.num_evict}' for r in rounds)})")
+    pool.free(cat([s.page_table for s in seqs]).gather(2, chosen))
+    ks = [r.num_evict for r in rounds]
+    per_chosen = torch.repeat_interleave(torch.arange(len(rounds), device=dev), torch.tensor(ks, device=dev))
+    unnamed = (~torch.isfinite(rank.gather(2, chosen))).sum((0, 1))
+    unranked = torch.zeros(len(rounds), dtype=torch.long, device=dev).index_add_(0, per_chosen, unnamed).tolist()
+    gone = bi.gather(2, chosen).cpu().split(ks, 2)
+    # Compact: every row keeps its other columns in order, each sequence's still side by side.
+    drop = torch.zeros(L, H, N, dtype=torch.bool, device=dev).scatter_(2, chosen, True)
+    keep = col.expand(L, H, N)[~drop].view(L, H, N - sum(ks))
+    left = [n - k for n, k in zip(sizes, ks)]
+    own = None
+    for name in COLUMN_FIELDS:
+        ts = [getattr(s, name) for s in seqs]
+        if any(t.shape[3:] != ts[0].shape[3:] for t in ts):
+            # Trailing sizes differ (a policy's own window length): each sequence gathers its own.
+            own = own or [(k - st).long() for k, st in zip(keep.split(left, 2), starts)]
+            parts = [t.gather(2, k if t.dim() == 3 else k[..., None].expand(*k.shape, t.shape[3]))
+                     for t, k in zip(ts, own)]
+        else:
+            t = cat(ts)
+            idx = keep if t.dim() == 3 else keep[..., None].expand(L, H, keep.shape[2], t.shape[3])
+            parts = t.gather(2, idx).split(left, 2)
+        for s, part in zip(seqs, parts):
+            setattr(s, name, part)
+    for r, k, u, g in zip(rounds, ks, unranked, gone):
+        seq = r.seq
+        if seq.eviction.policy == LEARNED:
+            seq.gone.append(g)
+        if r.plan is not None:
+            seq.count_evictions(r.plan.source, "", R * k - u)
+            seq.count_evictions(FALLBACK, UNRANKED, u)
+        elif seq.eviction.policy == LEARNED:
+            seq.count_evictions(FALLBACK, r.reason or NO_PLAN, R * k)
+        else:
+            seq.count_evictions(LOCAL, "", R * k)
+        seq.eviction_rounds += 1
 
 
 def overshoot(seq: Sequence) -> int:
@@ -123,7 +202,7 @@ def eviction_round(seq: Sequence, pool: KVPool, plan: EvictionPlan | None = None
     run a learned round (wait for a plan or not) is the engine's decision."""
     over = overshoot(seq)
     if over > 0:
-        evict_blocks(seq, pool, over, seq.policy.score(seq), plan, reason)
+        evict_rounds([Round(seq, over, plan, reason)], pool)
 
 
 def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:

@@ -78,11 +78,12 @@ class KVPool:
             self.refs[pages.reshape(-1).long().cpu()] += 1
 
     def free(self, pages: torch.Tensor) -> None:
-        """Drop one reference to each (distinct) page; pages nobody holds any
-        more go back to the free list."""
+        """Drop one reference per occurrence of each page (a page shared by
+        several sequences comes once per sequence when their rounds run
+        together); pages nobody holds any more go back to the free list."""
         if not pages.numel():
             return
-        p = pages.reshape(-1).long().cpu()
-        left = self.refs[p] - 1
+        p, n = torch.unique(pages.reshape(-1).long().cpu(), return_counts=True)
+        left = self.refs[p] - n.to(self.refs.dtype)
         self.refs[p] = left
         self._free.extend(p[left == 0].tolist())

@@ -22,6 +22,10 @@ import torch
 SNAPKV_WINDOW = 64
 
 
+# Per-(layer, kv-head, block) columns: an eviction keeps the same ones of each.
+COLUMN_FIELDS = ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "value_norm")
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -164,11 +168,19 @@ class Sequence:
     def keep_columns(self, keep: torch.Tensor) -> None:
         """Compact every row to the columns ``keep[L, Hkv, K]`` (ascending)."""
         keep = keep.long()
-        g = lambda t: t.gather(2, keep) if t.dim() == 3 else \
-            t.gather(2, keep[..., None].expand(*keep.shape, t.shape[3]))
-        self.page_table, self.block_index = g(self.page_table), g(self.block_index)
-        self.acc_mass, self.last_mass = g(self.acc_mass), g(self.last_mass)
-        self.win_mass, self.key_mean, self.value_norm = g(self.win_mass), g(self.key_mean), g(self.value_norm)
+        for name in COLUMN_FIELDS:
+            t = getattr(self, name)
+            setattr(self, name, t.gather(2, keep) if t.dim() == 3 else
+                    t.gather(2, keep[..., None].expand(*keep.shape, t.shape[3])))
+
+    def own_columns(self) -> None:
+        """Copy out columns that are views into a batched round's tensors
+        (eviction.evict_rounds): a sequence kept for long (a parked session)
+        must not pin every other sequence's columns of that round."""
+        for name in COLUMN_FIELDS:
+            t = getattr(self, name)
+            if t._base is not None:
+                setattr(self, name, t.clone())
 
     # -- statistics ---------------------------------------------------------
     def observe(self, acc: torch.Tensor, last: torch.Tensor, window: torch.Tensor) -> None:

@@ -45,6 +45,7 @@ class SessionCache:
         """Keep ``seq`` (detached from the scheduler, pages still allocated)."""
         if session_id in self.parked:   # two turns ran at once: the later one wins
             self.drop(session_id)
+        seq.own_columns()
         self.parked[session_id] = seq
         self.last_used[session_id] = self.clock()
         self.parks += 1

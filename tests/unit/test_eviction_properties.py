@@ -129,3 +129,64 @@ def test_plan_rank_is_each_blocks_first_place_in_its_rows_plan(data):
         for j, b in enumerate(rows[r]):
             want = next((i - k for i, x in enumerate(names[r]) if x == b), float("inf"))
             assert got.view(L * H, nb)[r, j].item() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_rounds_run_together_equal_rounds_run_alone(data):
+    """`evict_rounds` over several sequences (one sort for all) frees, keeps
+    and counts exactly what each sequence's round alone would: random sizes,
+    protection, policies (their own window lengths), plans with pads, repeats
+    and unknown names, and rounds without a plan."""
+    import copy
+
+    import torch
+
+    from services.compute.advisor import EvictionPlan
+    from services.compute.eviction import Round, evict_rounds, protected_mask
+    from services.compute.kv_pool import KVPool
+    from services.compute.policies import get_policy
+    from services.compute.sampler import SamplingParams
+    from services.compute.sequence import COLUMN_FIELDS, EvictionState, Sequence
+
+    L, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), 4
+    bs = data.draw(st.sampled_from([1, 4]))
+    pool = KVPool(4000, bs, D)
+    rounds = []
+    for i in range(data.draw(st.integers(1, 5))):
+        nb = data.draw(st.integers(3, 20))
+        sink, recent = data.draw(st.integers(0, 1)), data.draw(st.integers(0, bs))
+        policy = data.draw(st.sampled_from(["learned", "h2o", "snapkv", "streaming"]))
+        state = EvictionState(policy, budget_blocks=2, floor_blocks=1, sink_blocks=sink, recent=recent)
+        seq = Sequence(f"s{i}", list(range(3, 3 + nb * bs)), SamplingParams(), state, L, H, D, bs)
+        seq.append_blocks(pool.alloc(L * H * nb).view(L, H, nb), 0)
+        seq.num_cached = nb * bs
+        seq.policy = get_policy("h2o" if policy == "learned" else policy)
+        g = torch.Generator().manual_seed(data.draw(st.integers(0, 10**6)))
+        seq.acc_mass = torch.rand(L, H, nb, generator=g).round(decimals=1)      # ties happen
+        # Drop some columns so rows hold different blocks.
+        if data.draw(st.booleans()):
+            seq.block_index = seq.block_index + (torch.rand(L, H, nb, generator=g) < 0.3).cumsum(2).int()
+        evictable = int((~protected_mask(seq)).sum(-1).min())
+        if evictable < 1:
+            continue
+        plan = None
+        if policy == "learned" and data.draw(st.booleans()):
+            k = data.draw(st.integers(0, 2 * nb))
+            names = torch.randint(-1, int(seq.block_index.max()) + 3, (L, H, k), generator=g, dtype=torch.int32)
+            plan = EvictionPlan(seq.request_id, names, covers=nb)
+        rounds.append(Round(seq, data.draw(st.integers(1, evictable)), plan, data.draw(st.sampled_from(["", "x"]))))
+    if not rounds:
+        return
+    alone = [copy.deepcopy(r) for r in rounds]
+    pool_alone = copy.deepcopy(pool)
+    for r in alone:
+        evict_rounds([r], pool_alone)
+    evict_rounds(rounds, pool)
+    assert pool.num_free == pool_alone.num_free
+    for a, b in zip(rounds, alone):
+        for name in COLUMN_FIELDS:
+            assert torch.equal(getattr(a.seq, name), getattr(b.seq, name)), name
+        assert a.seq.evictions == b.seq.evictions and a.seq.eviction_rounds == b.seq.eviction_rounds == 1
+        assert [torch.equal(x, y) for x, y in zip(a.seq.gone, b.seq.gone)] == [True] * len(b.seq.gone)
+        assert a.seq.num_blocks == a.seq.block_index.shape[2]

@@ -39,3 +39,14 @@ def test_sized_from_memory_budget():
     assert pool.num_pages == 100 and pool.capacity == 99
     with pytest.raises(ValueError):
         KVPool(1, 16, 64)
+
+
+def test_free_drops_one_reference_per_occurrence():
+    """Two sequences' rounds freed in one call may name a shared page twice."""
+    pool = KVPool(num_pages=9, block_size=4, head_dim=8)
+    a = pool.alloc(3)
+    pool.share(a[:2])                                  # a second holder of two pages
+    pool.free(torch.cat([a, a[:1]]))                   # both holders of a[0] let go at once
+    assert pool.refs[a.long()].tolist() == [0, 1, 0] and pool.num_used == 1
+    pool.free(a[1:2])
+    assert pool.num_free == pool.capacity
