@@ -10,6 +10,8 @@ does not have yet is held (it alone), up to ``plan_wait_s``.
 """
 from __future__ import annotations
 
+import functools
+
 import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -54,6 +56,11 @@ class EvictionPlan:
     @property
     def source(self) -> str:
         return NETWORK if self.ranker == "network" else ADVISOR_HEURISTIC
+
+    @functools.cached_property
+    def width(self) -> int:
+        """One past the highest block it names (0: none); a plan is used for many rounds."""
+        return 0 if self.evict is None or not self.evict.numel() else int(self.evict.max()) + 1
 
 
 class PlanMailbox:

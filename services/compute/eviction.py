@@ -33,39 +33,40 @@ def plan_rank(block_index: torch.Tensor, names: torch.Tensor) -> torch.Tensor:
     """[L, Hkv, NB] place of each resident block in its row's plan ``names``
     [L, Hkv, k] (-1 pads; as the advisor sent it, on the host) as -k (first
     named) .. -1, +inf where the plan does not name it."""
-    return _plan_ranks([block_index], [names])
+    return _plan_ranks(block_index, [block_index.shape[2]], [names], [int(names.max()) + 1 if names.numel() else 0])
 
 
-def _plan_ranks(block_index: list[torch.Tensor], names: list[torch.Tensor | None]) -> torch.Tensor:
-    """``plan_rank`` of several sequences at once, [L, Hkv, sum NB] (their
-    columns side by side). A per-row lookup table indexed by block number,
-    each sequence's numbers shifted past the previous one's: O(NB + k +
-    highest name) per row, where comparing every block with every name cost
-    O(NB * k) (at 8k tokens of 1-token blocks, a billion comparisons a round).
-    Sized from the names alone (read on the host, no device sync): a resident
-    block past a plan's highest name is unnamed."""
-    L, H = block_index[0].shape[:2]
-    dev = block_index[0].device
-    widths = [0 if n is None or not n.numel() else int(n.max()) + 1 for n in names]
+def _plan_ranks(block_index: torch.Tensor, sizes: list[int], names: list[torch.Tensor | None],
+                widths: list[int]) -> torch.Tensor:
+    """``plan_rank`` of several sequences at once: ``block_index`` [L, Hkv,
+    sum NB] holds their columns side by side (``sizes`` of each), ``widths``
+    one past each plan's highest name.
+    A per-row lookup table indexed by block number, each sequence's numbers
+    shifted past the previous one's: O(NB + k + highest name) per row, where
+    comparing every block with every name cost O(NB * k) (at 8k tokens of
+    1-token blocks, a billion comparisons a round). Sized from the names
+    alone (on the host, no device sync): a resident block past a plan's
+    highest name is unnamed."""
+    L, H, N = block_index.shape
+    dev = block_index.device
     bases = [sum(widths[:i]) for i in range(len(widths))]
     scratch = sum(widths)                                          # pads and unnamed blocks look here
     table = torch.full((L * H, scratch + 1), torch.inf, device=dev)
-    planned = [(n, b) for n, b in zip(names, bases) if n is not None and n.shape[-1]]
+    planned = [(n, b) for n, b, w in zip(names, bases, widths) if w]
     if planned:
         cat = torch.cat([n.reshape(L * H, -1) for n, _ in planned], 1).long().to(dev)
-        ks = [n.shape[-1] for n, _ in planned]
+        ks = torch.tensor([n.shape[-1] for n, _ in planned], device=dev)
         # Per name column: its sequence's base and its place -k .. -1 in that plan.
-        base = torch.tensor([b for (_, b), k in zip(planned, ks) for _ in range(k)], device=dev)
-        place = torch.tensor([float(j - k) for k in ks for j in range(k)], device=dev)
+        base = torch.repeat_interleave(torch.tensor([b for _, b in planned], device=dev), ks)
+        place = (torch.arange(cat.shape[1], device=dev) - torch.repeat_interleave(ks.cumsum(0), ks)).float()
         named = cat >= 0
         table.scatter_reduce_(1, torch.where(named, cat + base, scratch),
                               torch.where(named, place.expand_as(cat), torch.inf), "amin")
-    cols = []
-    for bi, w, b in zip(block_index, widths, bases):
-        bi = bi.reshape(L * H, -1).long()
-        cols.append(torch.where(bi < w, bi + b, scratch) if w else torch.full_like(bi, scratch))
-    idx = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
-    return table.gather(1, idx).view(L, H, -1)
+    per = torch.tensor(sizes, device=dev)
+    w = torch.repeat_interleave(torch.tensor(widths, device=dev), per)
+    bi = block_index.reshape(L * H, N).long()
+    idx = torch.where(bi < w, bi + torch.repeat_interleave(torch.tensor(bases, device=dev), per), scratch)
+    return table.gather(1, idx).view(L, H, N)
 
 
 @dataclass
@@ -113,8 +114,8 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     protected = ((bi < per([s.eviction.sink_blocks for s in seqs])) | (bi >= per(cut))
                  | (col == per([st + n - 1 for st, n in zip(starts, sizes)])))
     scores = cat([(r.scores if r.scores is not None else r.seq.policy.score(r.seq)).float() for r in rounds])
-    rank = _plan_ranks([s.block_index for s in seqs], [r.plan.evict if r.plan is not None else None
-                                                        for r in rounds])
+    rank = _plan_ranks(bi, sizes, [r.plan.evict if r.plan is not None else None for r in rounds],
+                       [r.plan.width if r.plan is not None else 0 for r in rounds])
     # Stable sorts, least significant key first: score, plan place, protected, sequence.
     order = torch.sort(scores, dim=2, stable=True).indices
     for key in (rank, protected.to(torch.uint8), seg.expand(L, H, N)):
