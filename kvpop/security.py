@@ -258,7 +258,10 @@ def client_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ClientInterceptor]
 
 
 def _options(cfg: SecurityConfig, options: Sequence[tuple[str, object]]) -> list:
-    opts = list(options)
+    # Channels to one address otherwise share gRPC's global subchannels: a new
+    # channel could pick up a connection the server had just sent GOAWAY on and
+    # fail its call with INTERNAL (seen once in CI; grpc/grpc#14088).
+    opts = [("grpc.use_local_subchannel_pool", 1)] + list(options)
     if cfg.server_name and cfg.client_tls:
         opts.append(("grpc.ssl_target_name_override", cfg.server_name))
     return opts
