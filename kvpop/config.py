@@ -17,7 +17,7 @@ from kvpop.paths import DEFAULT_MODEL_DIR
 
 # Tokens between a decoding `learned` sequence's eviction plans (compute's
 # KVPOP_PLAN_INTERVAL, the engine's and the trace recorder's default).
-PLAN_INTERVAL = 16
+PLAN_INTERVAL = 8
 
 T = TypeVar("T")
 
