@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvkernels import ops
 from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence, observe_decode
+from services.compute.sequence import Sequence, append_blocks, observe_decode
 
 
 @dataclass
@@ -67,12 +67,20 @@ class ModelRunner:
         self.fused = ops.backend_for(pool.k_pages) != "reference"   # CUDA kernels
 
     # ------------------------------------------------------------ pages
-    def _grow(self, seq: Sequence, t: int) -> None:
-        have = math.ceil(seq.num_cached / self.bs)
-        need = math.ceil((seq.num_cached + t) / self.bs)
-        if need > have:
-            k = need - have
-            seq.append_blocks(self.pool.alloc(self.L * self.Hkv * k).view(self.L, self.Hkv, k), have)
+    def _grow(self, batch: list[tuple[Sequence, int]]) -> None:
+        """Open the blocks this step's tokens need, every sequence's at once."""
+        grow = []
+        for seq, t in batch:
+            have = math.ceil(seq.num_cached / self.bs)
+            need = math.ceil((seq.num_cached + t) / self.bs)
+            if need > have:
+                grow.append((seq, need - have, have))
+        if not grow:
+            return
+        rows = self.L * self.Hkv
+        pages = self.pool.alloc(rows * sum(k for _, k, _ in grow)).split([rows * k for _, k, _ in grow])
+        append_blocks([s for s, _, _ in grow], [p.view(self.L, self.Hkv, k) for p, (_, k, _) in zip(pages, grow)],
+                      [have for _, _, have in grow])
 
     # ------------------------------------------------------------ step
     @torch.no_grad()
@@ -82,8 +90,8 @@ class ModelRunner:
         bs, dev = self.bs, self.device
         ids, pos, write_pages, last_rows, sampled = [], [], [], [], []
         decode, prefill = [], []
+        self._grow(batch)
         for seq, t in batch:
-            self._grow(seq, t)
             n0, n1 = seq.num_cached, seq.num_cached + t
             row = len(ids)
             ids.extend(seq.tokens[n0:n1])

@@ -156,14 +156,7 @@ class Sequence:
     # -- columns ------------------------------------------------------------
     def append_blocks(self, pages: torch.Tensor, first_block: int) -> None:
         """Add ``k`` newest blocks (logical ``first_block ...``) to every row."""
-        L, H, k = pages.shape
-        idx = torch.arange(first_block, first_block + k, dtype=torch.int32,
-                           device=self.page_table.device).expand(L, H, k)
-        self.page_table = torch.cat([self.page_table, pages.to(self.page_table.device)], 2)
-        self.block_index = torch.cat([self.block_index, idx], 2)
-        z = lambda t: torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2)
-        self.acc_mass, self.last_mass = z(self.acc_mass), z(self.last_mass)
-        self.win_mass, self.key_mean, self.value_norm = z(self.win_mass), z(self.key_mean), z(self.value_norm)
+        append_blocks([self], [pages], [first_block])
 
     def keep_columns(self, keep: torch.Tensor) -> None:
         """Compact every row to the columns ``keep[L, Hkv, K]`` (ascending)."""
@@ -209,3 +202,52 @@ def observe_decode(seqs: list[Sequence], mass: list[torch.Tensor]) -> None:
     torch._foreach_copy_([s.win_mass[..., s.win_ptr] for s in seqs], mass)
     for s in seqs:
         s.win_ptr = (s.win_ptr + 1) % s.win_mass.shape[3]
+
+
+def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int]) -> None:
+    """``Sequence.append_blocks`` of several sequences as one: each field of
+    all of them is built in one tensor (old columns and the new ones, each
+    sequence's side by side) and split back. At block size 1 every decoding
+    sequence grows by a block per step, and seven ``cat``s per sequence were
+    a visible part of the step. The sequences' columns become views of that
+    tensor (``own_columns`` copies them out for a sequence kept long)."""
+    if len(seqs) == 1:
+        seq, new, first = seqs[0], pages[0], first_block[0]
+        L, H, k = new.shape
+        dev = seq.page_table.device
+        idx = torch.arange(first, first + k, dtype=torch.int32, device=dev).expand(L, H, k)
+        seq.page_table = torch.cat([seq.page_table, new.to(dev)], 2)
+        seq.block_index = torch.cat([seq.block_index, idx], 2)
+        for name in COLUMN_FIELDS[2:]:
+            t = getattr(seq, name)
+            setattr(seq, name, torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2))
+        return
+    dev = seqs[0].page_table.device
+    L, H = seqs[0].page_table.shape[:2]
+    old = torch.tensor([s.num_blocks for s in seqs], device=dev)
+    ks = torch.tensor([p.shape[2] for p in pages], device=dev)
+    sizes = (old + ks).tolist()
+    start = torch.cumsum(old + ks, 0) - (old + ks)                     # each sequence's first column
+    # Where the old columns and the new ones land in the joined layout.
+    k_before = torch.cumsum(ks, 0) - ks
+    to_old = torch.arange(int(old.sum()), device=dev) + torch.repeat_interleave(k_before, old)
+    o_before = torch.cumsum(old, 0)
+    to_new = torch.arange(int(ks.sum()), device=dev) + torch.repeat_interleave(o_before, ks)
+    firsts = torch.tensor(first_block, device=dev)
+    new_index = (torch.arange(int(ks.sum()), device=dev) + torch.repeat_interleave(firsts - k_before, ks))
+    new_cols = {"page_table": torch.cat([p.to(dev) for p in pages], 2),
+                "block_index": new_index.to(torch.int32).expand(L, H, -1)}
+    total = int(start[-1]) + sizes[-1]
+    for name in COLUMN_FIELDS:
+        ts = [getattr(s, name) for s in seqs]
+        if any(t.shape[3:] != ts[0].shape[3:] for t in ts):
+            # Trailing sizes differ (a policy's own window length): each sequence on its own.
+            for s, t, k in zip(seqs, ts, ks.tolist()):
+                setattr(s, name, torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2))
+            continue
+        out = ts[0].new_zeros((L, H, total) + ts[0].shape[3:])
+        out.index_copy_(2, to_old, torch.cat(ts, 2))
+        if name in new_cols:
+            out.index_copy_(2, to_new, new_cols[name].to(out.dtype))
+        for s, part in zip(seqs, out.split(sizes, 2)):
+            setattr(s, name, part)

@@ -190,3 +190,44 @@ def test_rounds_run_together_equal_rounds_run_alone(data):
         assert a.seq.evictions == b.seq.evictions and a.seq.eviction_rounds == b.seq.eviction_rounds == 1
         assert [torch.equal(x, y) for x, y in zip(a.seq.gone, b.seq.gone)] == [True] * len(b.seq.gone)
         assert a.seq.num_blocks == a.seq.block_index.shape[2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_columns_grown_together_equal_columns_grown_alone(data):
+    """`append_blocks` over several sequences (one tensor per field for all)
+    gives each exactly the columns its own append gives: sizes, new-block
+    counts, first block numbers and window lengths at random."""
+    import copy
+
+    import torch
+
+    from services.compute.kv_pool import KVPool
+    from services.compute.sampler import SamplingParams
+    from services.compute.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks
+
+    L, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), 4
+    pool = KVPool(4000, 2, D)
+    seqs, pages, firsts = [], [], []
+    for i in range(data.draw(st.integers(1, 5))):
+        nb = data.draw(st.integers(0, 12))
+        policy = data.draw(st.sampled_from(["h2o", "snapkv"]))
+        state = EvictionState(policy, budget_blocks=2, floor_blocks=1, sink_blocks=0, recent=0)
+        seq = Sequence(f"s{i}", list(range(3, 40)), SamplingParams(), state, L, H, D, 2)
+        if nb:
+            seq.append_blocks(pool.alloc(L * H * nb).view(L, H, nb), 0)
+            g = torch.Generator().manual_seed(i)
+            for name in COLUMN_FIELDS[2:]:
+                setattr(seq, name, torch.rand(getattr(seq, name).shape, generator=g))
+        k = data.draw(st.integers(1, 4))
+        seqs.append(seq)
+        pages.append(pool.alloc(L * H * k).view(L, H, k))
+        firsts.append(nb + data.draw(st.integers(0, 3)))
+    alone = copy.deepcopy(seqs)
+    for s, p, f in zip(alone, pages, firsts):
+        s.append_blocks(p, f)
+    append_blocks(seqs, pages, firsts)
+    for a, b in zip(seqs, alone):
+        for name in COLUMN_FIELDS:
+            assert getattr(a, name).dtype == getattr(b, name).dtype
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
