@@ -57,15 +57,17 @@ def _plan_ranks(block_index: torch.Tensor, sizes: list[int], names: list[torch.T
         cat = torch.cat([n.reshape(L * H, -1) for n, _ in planned], 1).long().to(dev)
         ks = torch.tensor([n.shape[-1] for n, _ in planned], device=dev)
         # Per name column: its sequence's base and its place -k .. -1 in that plan.
-        base = torch.repeat_interleave(torch.tensor([b for _, b in planned], device=dev), ks)
-        place = (torch.arange(cat.shape[1], device=dev) - torch.repeat_interleave(ks.cumsum(0), ks)).float()
+        K = cat.shape[1]
+        base = torch.repeat_interleave(torch.tensor([b for _, b in planned], device=dev), ks, output_size=K)
+        place = (torch.arange(K, device=dev) - torch.repeat_interleave(ks.cumsum(0), ks, output_size=K)).float()
         named = cat >= 0
         table.scatter_reduce_(1, torch.where(named, cat + base, scratch),
                               torch.where(named, place.expand_as(cat), torch.inf), "amin")
     per = torch.tensor(sizes, device=dev)
-    w = torch.repeat_interleave(torch.tensor(widths, device=dev), per)
+    w = torch.repeat_interleave(torch.tensor(widths, device=dev), per, output_size=N)
     bi = block_index.reshape(L * H, N).long()
-    idx = torch.where(bi < w, bi + torch.repeat_interleave(torch.tensor(bases, device=dev), per), scratch)
+    shift = torch.repeat_interleave(torch.tensor(bases, device=dev), per, output_size=N)
+    idx = torch.where(bi < w, bi + shift, scratch)
     return table.gather(1, idx).view(L, H, N)
 
 
@@ -107,7 +109,7 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     bi = cat([s.block_index for s in seqs])
     # Protection (sink, recent window, newest block), per column of its sequence.
     col = torch.arange(N, device=dev)
-    seg = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev))
+    seg = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev), output_size=N)
     per = lambda vals: torch.tensor(vals, device=dev)[seg]
     BIG = 1 << 62
     cut = [(s.num_cached - s.eviction.recent) // s.block_size if s.eviction.recent > 0 else BIG for s in seqs]
@@ -128,7 +130,8 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
                          f"({', '.join(f'{r.seq.request_id}: {r.num_evict}' for r in rounds)})")
     pool.free(cat([s.page_table for s in seqs]).gather(2, chosen))
     ks = [r.num_evict for r in rounds]
-    per_chosen = torch.repeat_interleave(torch.arange(len(rounds), device=dev), torch.tensor(ks, device=dev))
+    per_chosen = torch.repeat_interleave(torch.arange(len(rounds), device=dev), torch.tensor(ks, device=dev),
+                                         output_size=sum(ks))
     unnamed = (~torch.isfinite(rank.gather(2, chosen))).sum((0, 1))
     unranked = torch.zeros(len(rounds), dtype=torch.long, device=dev).index_add_(0, per_chosen, unnamed).tolist()
     gone = bi.gather(2, chosen).cpu().split(ks, 2)

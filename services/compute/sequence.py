@@ -224,25 +224,24 @@ def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: 
         return
     dev = seqs[0].page_table.device
     L, H = seqs[0].page_table.shape[:2]
-    old = torch.tensor([s.num_blocks for s in seqs], device=dev)
-    ks = torch.tensor([p.shape[2] for p in pages], device=dev)
-    sizes = (old + ks).tolist()
-    start = torch.cumsum(old + ks, 0) - (old + ks)                     # each sequence's first column
+    # Sizes are known on the host (and given as output sizes): no device value is read.
+    nbs, kl = [s.num_blocks for s in seqs], [p.shape[2] for p in pages]
+    sizes = [n + k for n, k in zip(nbs, kl)]
+    total, n_old, n_new = sum(sizes), sum(nbs), sum(kl)
+    old, ks = torch.tensor(nbs, device=dev), torch.tensor(kl, device=dev)
     # Where the old columns and the new ones land in the joined layout.
-    k_before = torch.cumsum(ks, 0) - ks
-    to_old = torch.arange(int(old.sum()), device=dev) + torch.repeat_interleave(k_before, old)
-    o_before = torch.cumsum(old, 0)
-    to_new = torch.arange(int(ks.sum()), device=dev) + torch.repeat_interleave(o_before, ks)
+    k_before = torch.tensor([sum(kl[:i]) for i in range(len(kl))], device=dev)
+    to_old = torch.arange(n_old, device=dev) + torch.repeat_interleave(k_before, old, output_size=n_old)
+    to_new = torch.arange(n_new, device=dev) + torch.repeat_interleave(torch.cumsum(old, 0), ks, output_size=n_new)
     firsts = torch.tensor(first_block, device=dev)
-    new_index = (torch.arange(int(ks.sum()), device=dev) + torch.repeat_interleave(firsts - k_before, ks))
+    new_index = torch.arange(n_new, device=dev) + torch.repeat_interleave(firsts - k_before, ks, output_size=n_new)
     new_cols = {"page_table": torch.cat([p.to(dev) for p in pages], 2),
                 "block_index": new_index.to(torch.int32).expand(L, H, -1)}
-    total = int(start[-1]) + sizes[-1]
     for name in COLUMN_FIELDS:
         ts = [getattr(s, name) for s in seqs]
         if any(t.shape[3:] != ts[0].shape[3:] for t in ts):
             # Trailing sizes differ (a policy's own window length): each sequence on its own.
-            for s, t, k in zip(seqs, ts, ks.tolist()):
+            for s, t, k in zip(seqs, ts, kl):
                 setattr(s, name, torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2))
             continue
         out = ts[0].new_zeros((L, H, total) + ts[0].shape[3:])
