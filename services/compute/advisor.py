@@ -62,6 +62,24 @@ class EvictionPlan:
         """One past the highest block it names (0: none); a plan is used for many rounds."""
         return 0 if self.evict is None or not self.evict.numel() else int(self.evict.max()) + 1
 
+    def rank_table(self, device) -> torch.Tensor:
+        """[L * Hkv, width + 1]: each block number's first place in its row's
+        plan as -k .. -1, +inf where unnamed (the last column: blocks past the
+        highest name). Built once per plan: a plan serves the rounds of a
+        whole plan interval, and rebuilding it per round from every name was
+        most of a batched round's cost."""
+        table = getattr(self, "_table", None)
+        if table is None or table.device != torch.device(device):
+            L, H, k = self.evict.shape
+            names = self.evict.reshape(L * H, k).long().to(device)
+            table = torch.full((L * H, self.width + 1), torch.inf, device=device)
+            named = names >= 0
+            place = (torch.arange(k, device=device) - k).float().expand(L * H, k)
+            table.scatter_reduce_(1, torch.where(named, names, self.width),
+                                  torch.where(named, place, torch.inf), "amin")
+            self._table = table
+        return table
+
 
 class PlanMailbox:
     """The newest plan per request, put by whoever ranks (any thread) and taken

@@ -33,42 +33,26 @@ def plan_rank(block_index: torch.Tensor, names: torch.Tensor) -> torch.Tensor:
     """[L, Hkv, NB] place of each resident block in its row's plan ``names``
     [L, Hkv, k] (-1 pads; as the advisor sent it, on the host) as -k (first
     named) .. -1, +inf where the plan does not name it."""
-    return _plan_ranks(block_index, [block_index.shape[2]], [names], [int(names.max()) + 1 if names.numel() else 0])
+    return _plan_ranks(block_index, [block_index.shape[2]], [EvictionPlan("", names)])
 
 
-def _plan_ranks(block_index: torch.Tensor, sizes: list[int], names: list[torch.Tensor | None],
-                widths: list[int]) -> torch.Tensor:
+def _plan_ranks(block_index: torch.Tensor, sizes: list[int], plans: list[EvictionPlan | None]) -> torch.Tensor:
     """``plan_rank`` of several sequences at once: ``block_index`` [L, Hkv,
-    sum NB] holds their columns side by side (``sizes`` of each), ``widths``
-    one past each plan's highest name.
-    A per-row lookup table indexed by block number, each sequence's numbers
-    shifted past the previous one's: O(NB + k + highest name) per row, where
-    comparing every block with every name cost O(NB * k) (at 8k tokens of
-    1-token blocks, a billion comparisons a round). Sized from the names
-    alone (on the host, no device sync): a resident block past a plan's
-    highest name is unnamed."""
+    sum NB] holds their columns side by side (``sizes`` of each). Each plan's
+    lookup table (indexed by block number, built once per plan: O(k +
+    highest name) per row) is read at the resident blocks; comparing every
+    block with every name cost O(NB * k) (at 8k tokens of 1-token blocks, a
+    billion comparisons a round). A resident block past a plan's highest
+    name is unnamed; the sizes come from the host, no device value is read."""
     L, H, N = block_index.shape
-    dev = block_index.device
-    bases = [sum(widths[:i]) for i in range(len(widths))]
-    scratch = sum(widths)                                          # pads and unnamed blocks look here
-    table = torch.full((L * H, scratch + 1), torch.inf, device=dev)
-    planned = [(n, b) for n, b, w in zip(names, bases, widths) if w]
-    if planned:
-        cat = torch.cat([n.reshape(L * H, -1) for n, _ in planned], 1).long().to(dev)
-        ks = torch.tensor([n.shape[-1] for n, _ in planned], device=dev)
-        # Per name column: its sequence's base and its place -k .. -1 in that plan.
-        K = cat.shape[1]
-        base = torch.repeat_interleave(torch.tensor([b for _, b in planned], device=dev), ks, output_size=K)
-        place = (torch.arange(K, device=dev) - torch.repeat_interleave(ks.cumsum(0), ks, output_size=K)).float()
-        named = cat >= 0
-        table.scatter_reduce_(1, torch.where(named, cat + base, scratch),
-                              torch.where(named, place.expand_as(cat), torch.inf), "amin")
-    per = torch.tensor(sizes, device=dev)
-    w = torch.repeat_interleave(torch.tensor(widths, device=dev), per, output_size=N)
-    bi = block_index.reshape(L * H, N).long()
-    shift = torch.repeat_interleave(torch.tensor(bases, device=dev), per, output_size=N)
-    idx = torch.where(bi < w, bi + shift, scratch)
-    return table.gather(1, idx).view(L, H, N)
+    parts = []
+    for bi, plan in zip(block_index.split(sizes, 2), plans):
+        bi = bi.reshape(L * H, -1).long()
+        if plan is None or not plan.width:
+            parts.append(torch.full(bi.shape, torch.inf, device=bi.device))
+        else:
+            parts.append(plan.rank_table(bi.device).gather(1, bi.clamp(max=plan.width)))
+    return (torch.cat(parts, 1) if len(parts) > 1 else parts[0]).view(L, H, N)
 
 
 @dataclass
@@ -116,8 +100,7 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     protected = ((bi < per([s.eviction.sink_blocks for s in seqs])) | (bi >= per(cut))
                  | (col == per([st + n - 1 for st, n in zip(starts, sizes)])))
     scores = cat([(r.scores if r.scores is not None else r.seq.policy.score(r.seq)).float() for r in rounds])
-    rank = _plan_ranks(bi, sizes, [r.plan.evict if r.plan is not None else None for r in rounds],
-                       [r.plan.width if r.plan is not None else 0 for r in rounds])
+    rank = _plan_ranks(bi, sizes, [r.plan for r in rounds])
     # Stable sorts, least significant key first: score, plan place, protected, sequence.
     order = torch.sort(scores, dim=2, stable=True).indices
     for key in (rank, protected.to(torch.uint8), seg.expand(L, H, N)):
