@@ -11,7 +11,6 @@ does not have yet is held (it alone), up to ``plan_wait_s``.
 from __future__ import annotations
 
 import functools
-
 import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol

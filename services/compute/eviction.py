@@ -7,6 +7,7 @@ evicted. A round frees the same number of blocks in every (layer, kv-head) row
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -14,31 +15,39 @@ import torch
 from services.compute.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
 from services.compute.kv_pool import KVPool
 from services.compute.policies import LEARNED
-from services.compute.sequence import COLUMN_FIELDS, Sequence
+from services.compute.sequence import Sequence, keep_columns
 
 
 # ------------------------------------------------------------------- rounds
 def protected_mask(seq: Sequence) -> torch.Tensor:
     """[L, Hkv, NB] bool: sink blocks, blocks overlapping the recent window, the newest block."""
-    bi = seq.block_index
-    bs, n, st = seq.block_size, seq.num_cached, seq.eviction
-    prot = bi < st.sink_blocks
-    if st.recent > 0:
-        prot |= bi >= (n - st.recent) // bs
-    prot[..., -1] = True
-    return prot
+    return _protected([seq], seq.block_index, _segments([seq.num_blocks], seq.block_index.device))
 
 
-def plan_rank(block_index: torch.Tensor, names: torch.Tensor) -> torch.Tensor:
-    """[L, Hkv, NB] place of each resident block in its row's plan ``names``
-    [L, Hkv, k] (-1 pads; as the advisor sent it, on the host) as -k (first
-    named) .. -1, +inf where the plan does not name it."""
-    return _plan_ranks(block_index, [block_index.shape[2]], [EvictionPlan("", names)])
+def _segments(sizes: list[int], dev) -> torch.Tensor:
+    """[sum sizes]: which sequence each column side by side belongs to."""
+    return torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev),
+                                   output_size=sum(sizes))
 
 
-def _plan_ranks(block_index: torch.Tensor, sizes: list[int], plans: list[EvictionPlan | None]) -> torch.Tensor:
-    """``plan_rank`` of several sequences at once: ``block_index`` [L, Hkv,
-    sum NB] holds their columns side by side (``sizes`` of each). Each plan's
+def _protected(seqs: list[Sequence], block_index: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """``protected_mask`` of several sequences, their columns side by side in
+    ``block_index`` [L, Hkv, sum NB] (``seg``: each column's sequence); the
+    thresholds come from the host."""
+    dev, N = block_index.device, block_index.shape[2]
+    sizes = [s.num_blocks for s in seqs]
+    per = lambda vals: torch.tensor(vals, device=dev)[seg]
+    cut = [(s.num_cached - s.eviction.recent) // s.block_size if s.eviction.recent > 0 else 1 << 62 for s in seqs]
+    newest = list(itertools.accumulate(sizes))
+    return ((block_index < per([s.eviction.sink_blocks for s in seqs])) | (block_index >= per(cut))
+            | (torch.arange(N, device=dev) == per(newest) - 1))
+
+
+def plan_ranks(block_index: torch.Tensor, sizes: list[int], plans: list[EvictionPlan | None]) -> torch.Tensor:
+    """[L, Hkv, sum NB] place of each resident block in its row of its
+    sequence's plan, as -k (first named) .. -1, +inf where the plan (or a
+    missing one) does not name it. ``block_index`` holds the sequences'
+    columns side by side (``sizes`` of each). Each plan's
     lookup table (indexed by block number, built once per plan: O(k +
     highest name) per row) is read at the resident blocks; comparing every
     block with every name cost O(NB * k) (at 8k tokens of 1-token blocks, a
@@ -62,14 +71,6 @@ class Round:
     num_evict: int
     plan: EvictionPlan | None = None
     reason: str = ""
-    scores: torch.Tensor | None = None        # [L, Hkv, NB]; None: the sequence's policy scores
-
-
-def evict_blocks(seq: Sequence, pool: KVPool, num_evict: int, scores: torch.Tensor,
-                 plan: EvictionPlan | None = None, reason: str = "") -> None:
-    """Free ``num_evict`` evictable blocks from every row: the first resident
-    evictable blocks named by ``plan`` (if any), then the lowest ``scores``."""
-    evict_rounds([Round(seq, num_evict, plan, reason, scores)], pool)
 
 
 def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
@@ -87,20 +88,14 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     L, H = seqs[0].page_table.shape[:2]
     R, dev = L * H, seqs[0].page_table.device
     sizes = [s.num_blocks for s in seqs]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = list(itertools.accumulate(sizes[:-1], initial=0))
     N = sum(sizes)
     cat = lambda ts: torch.cat(ts, 2) if len(ts) > 1 else ts[0]
     bi = cat([s.block_index for s in seqs])
-    # Protection (sink, recent window, newest block), per column of its sequence.
-    col = torch.arange(N, device=dev)
-    seg = torch.repeat_interleave(torch.arange(len(seqs), device=dev), torch.tensor(sizes, device=dev), output_size=N)
-    per = lambda vals: torch.tensor(vals, device=dev)[seg]
-    BIG = 1 << 62
-    cut = [(s.num_cached - s.eviction.recent) // s.block_size if s.eviction.recent > 0 else BIG for s in seqs]
-    protected = ((bi < per([s.eviction.sink_blocks for s in seqs])) | (bi >= per(cut))
-                 | (col == per([st + n - 1 for st, n in zip(starts, sizes)])))
-    scores = cat([(r.scores if r.scores is not None else r.seq.policy.score(r.seq)).float() for r in rounds])
-    rank = _plan_ranks(bi, sizes, [r.plan for r in rounds])
+    seg = _segments(sizes, dev)
+    protected = _protected(seqs, bi, seg)
+    scores = cat([s.policy.score(s).float() for s in seqs])
+    rank = plan_ranks(bi, sizes, [r.plan for r in rounds])
     # Stable sorts, least significant key first: score, plan place, protected, sequence.
     order = torch.sort(scores, dim=2, stable=True).indices
     for key in (rank, protected.to(torch.uint8), seg.expand(L, H, N)):
@@ -113,29 +108,14 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
                          f"({', '.join(f'{r.seq.request_id}: {r.num_evict}' for r in rounds)})")
     pool.free(cat([s.page_table for s in seqs]).gather(2, chosen))
     ks = [r.num_evict for r in rounds]
-    per_chosen = torch.repeat_interleave(torch.arange(len(rounds), device=dev), torch.tensor(ks, device=dev),
-                                         output_size=sum(ks))
     unnamed = (~torch.isfinite(rank.gather(2, chosen))).sum((0, 1))
-    unranked = torch.zeros(len(rounds), dtype=torch.long, device=dev).index_add_(0, per_chosen, unnamed).tolist()
+    unranked = torch.zeros(len(rounds), dtype=torch.long, device=dev).index_add_(0, _segments(ks, dev), unnamed)
+    unranked = unranked.tolist()
     gone = bi.gather(2, chosen).cpu().split(ks, 2)
     # Compact: every row keeps its other columns in order, each sequence's still side by side.
     drop = torch.zeros(L, H, N, dtype=torch.bool, device=dev).scatter_(2, chosen, True)
-    keep = col.expand(L, H, N)[~drop].view(L, H, N - sum(ks))
-    left = [n - k for n, k in zip(sizes, ks)]
-    own = None
-    for name in COLUMN_FIELDS:
-        ts = [getattr(s, name) for s in seqs]
-        if any(t.shape[3:] != ts[0].shape[3:] for t in ts):
-            # Trailing sizes differ (a policy's own window length): each sequence gathers its own.
-            own = own or [(k - st).long() for k, st in zip(keep.split(left, 2), starts)]
-            parts = [t.gather(2, k if t.dim() == 3 else k[..., None].expand(*k.shape, t.shape[3]))
-                     for t, k in zip(ts, own)]
-        else:
-            t = cat(ts)
-            idx = keep if t.dim() == 3 else keep[..., None].expand(L, H, keep.shape[2], t.shape[3])
-            parts = t.gather(2, idx).split(left, 2)
-        for s, part in zip(seqs, parts):
-            setattr(s, name, part)
+    keep = torch.arange(N, device=dev).expand(L, H, N)[~drop].view(L, H, N - sum(ks))
+    keep_columns(seqs, keep, [n - k for n, k in zip(sizes, ks)])
     for r, k, u, g in zip(rounds, ks, unranked, gone):
         seq = r.seq
         if seq.eviction.policy == LEARNED:

@@ -8,6 +8,7 @@ columns stay aligned with ``page_table``: ``append_blocks`` adds columns,
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -160,11 +161,7 @@ class Sequence:
 
     def keep_columns(self, keep: torch.Tensor) -> None:
         """Compact every row to the columns ``keep[L, Hkv, K]`` (ascending)."""
-        keep = keep.long()
-        for name in COLUMN_FIELDS:
-            t = getattr(self, name)
-            setattr(self, name, t.gather(2, keep) if t.dim() == 3 else
-                    t.gather(2, keep[..., None].expand(*keep.shape, t.shape[3])))
+        keep_columns([self], keep.long(), [keep.shape[2]])
 
     def own_columns(self) -> None:
         """Copy out columns that are views into a batched round's tensors
@@ -204,49 +201,72 @@ def observe_decode(seqs: list[Sequence], mass: list[torch.Tensor]) -> None:
         s.win_ptr = (s.win_ptr + 1) % s.win_mass.shape[3]
 
 
+def _gather_columns(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[L, Hkv, NB, ...]`` at the block columns ``idx[L, Hkv, K]``."""
+    return t.gather(2, idx if t.dim() == 3 else idx[..., None].expand(*idx.shape, t.shape[3]))
+
+
+def _set_columns(seqs: list[Sequence], joint, alone) -> None:
+    """Give every column field of ``seqs`` its new value: ``joint(name, ts)``
+    builds all sequences' in one tensor and returns one view per sequence;
+    ``alone(name, i, t)`` builds sequence ``i``'s by itself, for a single
+    sequence or fields whose trailing sizes differ (a policy's own window
+    length). Joint views keep their base alive: ``own_columns`` copies them
+    out for a sequence kept long."""
+    for name in COLUMN_FIELDS:
+        ts = [getattr(s, name) for s in seqs]
+        if len(ts) > 1 and all(t.shape[3:] == ts[0].shape[3:] for t in ts):
+            parts = joint(name, ts)
+        else:
+            parts = [alone(name, i, t) for i, t in enumerate(ts)]
+        for s, part in zip(seqs, parts):
+            setattr(s, name, part)
+
+
+def keep_columns(seqs: list[Sequence], keep: torch.Tensor, left: list[int]) -> None:
+    """``Sequence.keep_columns`` of several sequences as one: ``keep[L, Hkv,
+    sum left]`` indexes their columns side by side (each sequence's ``left``
+    kept columns, ascending, in its own span)."""
+    starts = list(itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0))
+    local = [k - st for k, st in zip(keep.split(left, 2), starts)]
+    _set_columns(seqs, lambda name, ts: _gather_columns(torch.cat(ts, 2), keep).split(left, 2),
+                 lambda name, i, t: _gather_columns(t, local[i]))
+
+
 def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int]) -> None:
     """``Sequence.append_blocks`` of several sequences as one: each field of
     all of them is built in one tensor (old columns and the new ones, each
     sequence's side by side) and split back. At block size 1 every decoding
     sequence grows by a block per step, and seven ``cat``s per sequence were
-    a visible part of the step. The sequences' columns become views of that
-    tensor (``own_columns`` copies them out for a sequence kept long)."""
-    if len(seqs) == 1:
-        seq, new, first = seqs[0], pages[0], first_block[0]
-        L, H, k = new.shape
-        dev = seq.page_table.device
-        idx = torch.arange(first, first + k, dtype=torch.int32, device=dev).expand(L, H, k)
-        seq.page_table = torch.cat([seq.page_table, new.to(dev)], 2)
-        seq.block_index = torch.cat([seq.block_index, idx], 2)
-        for name in COLUMN_FIELDS[2:]:
-            t = getattr(seq, name)
-            setattr(seq, name, torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2))
-        return
+    a visible part of the step."""
     dev = seqs[0].page_table.device
     L, H = seqs[0].page_table.shape[:2]
     # Sizes are known on the host (and given as output sizes): no device value is read.
     nbs, kl = [s.num_blocks for s in seqs], [p.shape[2] for p in pages]
     sizes = [n + k for n, k in zip(nbs, kl)]
-    total, n_old, n_new = sum(sizes), sum(nbs), sum(kl)
+    n_old, n_new = sum(nbs), sum(kl)
     old, ks = torch.tensor(nbs, device=dev), torch.tensor(kl, device=dev)
-    # Where the old columns and the new ones land in the joined layout.
-    k_before = torch.tensor([sum(kl[:i]) for i in range(len(kl))], device=dev)
-    to_old = torch.arange(n_old, device=dev) + torch.repeat_interleave(k_before, old, output_size=n_old)
-    to_new = torch.arange(n_new, device=dev) + torch.repeat_interleave(torch.cumsum(old, 0), ks, output_size=n_new)
+    k_before = torch.tensor(list(itertools.accumulate(kl[:-1], initial=0)), device=dev)
     firsts = torch.tensor(first_block, device=dev)
     new_index = torch.arange(n_new, device=dev) + torch.repeat_interleave(firsts - k_before, ks, output_size=n_new)
-    new_cols = {"page_table": torch.cat([p.to(dev) for p in pages], 2),
-                "block_index": new_index.to(torch.int32).expand(L, H, -1)}
-    for name in COLUMN_FIELDS:
-        ts = [getattr(s, name) for s in seqs]
-        if any(t.shape[3:] != ts[0].shape[3:] for t in ts):
-            # Trailing sizes differ (a policy's own window length): each sequence on its own.
-            for s, t, k in zip(seqs, ts, kl):
-                setattr(s, name, torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2))
-            continue
-        out = ts[0].new_zeros((L, H, total) + ts[0].shape[3:])
+    new = {"page_table": torch.cat([p.to(dev) for p in pages], 2),
+           "block_index": new_index.to(torch.int32).expand(L, H, -1)}
+    new_parts = {name: t.split(kl, 2) for name, t in new.items()}
+    if len(seqs) > 1:
+        # Where the old columns and the new ones land in the joined layout.
+        to_old = torch.arange(n_old, device=dev) + torch.repeat_interleave(k_before, old, output_size=n_old)
+        to_new = torch.arange(n_new, device=dev) + torch.repeat_interleave(torch.cumsum(old, 0), ks,
+                                                                           output_size=n_new)
+
+    def joint(name, ts):
+        out = ts[0].new_zeros((L, H, sum(sizes)) + ts[0].shape[3:])
         out.index_copy_(2, to_old, torch.cat(ts, 2))
-        if name in new_cols:
-            out.index_copy_(2, to_new, new_cols[name].to(out.dtype))
-        for s, part in zip(seqs, out.split(sizes, 2)):
-            setattr(s, name, part)
+        if name in new:
+            out.index_copy_(2, to_new, new[name].to(out.dtype))
+        return out.split(sizes, 2)
+
+    def alone(name, i, t):
+        add = new_parts[name][i] if name in new else t.new_zeros(t.shape[:2] + (kl[i],) + t.shape[3:])
+        return torch.cat([t, add.to(t.dtype)], 2)
+
+    _set_columns(seqs, joint, alone)

@@ -111,24 +111,36 @@ def test_tight_pool_never_runs_out_of_pages(sc, num_pages, threshold):
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
-def test_plan_rank_is_each_blocks_first_place_in_its_rows_plan(data):
+def test_plan_ranks_are_each_blocks_first_place_in_its_rows_plan(data):
     """The lookup that places resident blocks in an advisor's plan agrees with
     comparing every block against every name (-1 pads, names of blocks the row
-    no longer holds, repeated names: the first place counts)."""
+    no longer holds, repeated names: the first place counts), for several
+    sequences side by side, some without a plan."""
     import torch
 
-    from services.compute.eviction import plan_rank
+    from services.compute.advisor import EvictionPlan
+    from services.compute.eviction import plan_ranks
     L, H = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
-    nb, k = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 30))
-    rows = [sorted(data.draw(st.sets(st.integers(0, 60), min_size=nb, max_size=nb))) for _ in range(L * H)]
-    names = [data.draw(st.lists(st.integers(-1, 70), min_size=k, max_size=k)) for _ in range(L * H)]
-    bi = torch.tensor(rows, dtype=torch.int32).view(L, H, nb)
-    plan = torch.tensor(names, dtype=torch.int32).view(L, H, k)
-    got = plan_rank(bi, plan)
-    for r in range(L * H):
-        for j, b in enumerate(rows[r]):
-            want = next((i - k for i, x in enumerate(names[r]) if x == b), float("inf"))
-            assert got.view(L * H, nb)[r, j].item() == want
+    seqs = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        nb, k = data.draw(st.integers(1, 24)), data.draw(st.integers(1, 30))
+        rows = [sorted(data.draw(st.sets(st.integers(0, 60), min_size=nb, max_size=nb))) for _ in range(L * H)]
+        names = ([data.draw(st.lists(st.integers(-1, 70), min_size=k, max_size=k)) for _ in range(L * H)]
+                 if data.draw(st.booleans()) else None)
+        seqs.append((rows, names))
+    bi = torch.cat([torch.tensor(rows, dtype=torch.int32).view(L, H, -1) for rows, _ in seqs], 2)
+    plans = [None if names is None else EvictionPlan("r", torch.tensor(names, dtype=torch.int32).view(L, H, -1))
+             for _, names in seqs]
+    got = plan_ranks(bi, [len(rows[0]) for rows, _ in seqs], plans).view(L * H, -1)
+    col = 0
+    for rows, names in seqs:
+        for j in range(len(rows[0])):
+            for r in range(L * H):
+                b = rows[r][j]
+                want = float("inf") if names is None else \
+                    next((i - len(names[r]) for i, x in enumerate(names[r]) if x == b), float("inf"))
+                assert got[r, col + j].item() == want
+        col += len(rows[0])
 
 
 @settings(max_examples=60, deadline=None)

@@ -6,7 +6,7 @@ import torch
 from kvkernels import ops
 from services.compute.advisor import EvictionPlan
 from services.compute.block_features import update_features
-from services.compute.eviction import evict_blocks, protected_mask
+from services.compute.eviction import Round, evict_rounds, protected_mask
 from services.compute.sequence import EvictionState
 from services.compute.kv_pool import KVPool
 from services.compute.policies import POLICIES, POLICY_NAMES, SnapKVPolicy, get_policy
@@ -27,7 +27,7 @@ def make_seq(nblocks, policy="h2o", L=1, H=2, sink_blocks=0, recent=0, rid="r"):
 
 
 def evict(seq, pool, k):
-    evict_blocks(seq, pool, k, seq.policy.score(seq))
+    evict_rounds([Round(seq, k)], pool)
     return [row.tolist() for row in seq.block_index.reshape(-1, seq.num_blocks)]
 
 
@@ -137,7 +137,7 @@ def test_plan_first_gone_names_ignored_shortfall_is_fallback():
     seq.acc_mass[0, :, 0] = 100.0
     names = torch.tensor([[[99, 4, 7, 2], [6, 99, -1, -1]]], dtype=torch.int32)   # 7 is protected
     seq.eviction.policy = "learned"
-    evict_blocks(seq, pool, 3, seq.policy.score(seq), EvictionPlan("r", names, covers=100))
+    evict_rounds([Round(seq, 3, EvictionPlan("r", names, covers=100))], pool)
     kept = [row.tolist() for row in seq.block_index[0]]
     assert kept[0] == [0, 3, 5, 6, 7] and kept[1] == [0, 3, 4, 5, 7]
     # Row 0: 4 and 2 from the plan, then block 1 (lowest h2o score) as fallback;
