@@ -228,9 +228,14 @@ def keep_columns(seqs: list[Sequence], keep: torch.Tensor, left: list[int]) -> N
     sum left]`` indexes their columns side by side (each sequence's ``left``
     kept columns, ascending, in its own span)."""
     starts = list(itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0))
-    local = [k - st for k, st in zip(keep.split(left, 2), starts)]
-    _set_columns(seqs, lambda name, ts: _gather_columns(torch.cat(ts, 2), keep).split(left, 2),
-                 lambda name, i, t: _gather_columns(t, local[i]))
+    local = []           # each sequence's own column numbers, only if a field needs them
+
+    def alone(name, i, t):
+        if not local:
+            local.extend(k - st for k, st in zip(keep.split(left, 2), starts))
+        return _gather_columns(t, local[i])
+
+    _set_columns(seqs, lambda name, ts: _gather_columns(torch.cat(ts, 2), keep).split(left, 2), alone)
 
 
 def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int]) -> None:
