@@ -12,43 +12,76 @@ from services.compute.kv_pool import KVPool
 from services.compute.sequence import Sequence
 
 
-def update_features(seq: Sequence, pool: KVPool) -> None:
+def update_features(seqs: list[Sequence], pool: KVPool) -> None:
     """Key/value summaries of the blocks that became full in the last step
-    (they are still the trailing columns: rounds run after this)."""
-    bs, n = seq.block_size, seq.num_cached
-    full = n // bs
-    if full <= seq.feat_upto:
+    (they are still the trailing columns: rounds run after this), every
+    sequence's in one kernel call: a call per sequence was a few launches per
+    sequence per step on a GPU. Which columns come from the host."""
+    todo = []
+    for seq in seqs:
+        full = seq.num_cached // seq.block_size
+        if full > seq.feat_upto:
+            last = (seq.num_cached - 1) // seq.block_size
+            first = seq.num_blocks - 1 - (last - seq.feat_upto)
+            todo.append((seq, first, full - seq.feat_upto))
+            seq.feat_upto = full
+    if not todo:
         return
-    last = (n - 1) // bs
-    cols = torch.arange(seq.feat_upto, full, device=seq.page_table.device)
-    cols = seq.num_blocks - 1 - (last - cols)
-    pages = seq.page_table[:, :, cols]                                  # [L, Hkv, k]
-    km, vn = ops.block_features(pool.k_pages, pool.v_pages, pages.reshape(-1))
-    L, H, k = pages.shape
-    seq.key_mean[:, :, cols] = km.view(L, H, k, -1).to(seq.key_mean.device)
-    seq.value_norm[:, :, cols] = vn.view(L, H, k).to(seq.value_norm.device)
-    seq.feat_upto = full
+    pages = [seq.page_table[:, :, a:a + k] for seq, a, k in todo]                # [L, Hkv, k] each
+    flat = torch.cat([p.reshape(-1) for p in pages]) if len(pages) > 1 else pages[0].reshape(-1)
+    km, vn = ops.block_features(pool.k_pages, pool.v_pages, flat)
+    sizes = [p.numel() for p in pages]
+    for (seq, a, k), m, v in zip(todo, km.split(sizes), vn.split(sizes)):
+        L, H = seq.page_table.shape[:2]
+        seq.key_mean[:, :, a:a + k] = m.view(L, H, k, -1)
+        seq.value_norm[:, :, a:a + k] = v.view(L, H, k)
 
 
-def blocks_leaving_window(seq: Sequence, every: int = 1) -> list[BlockFeatures]:
-    """Features of blocks that just left the protected recent window: the
-    delayed decision point. They are resident in every row (never evicted
-    while protected). After the prompt they go in batches of ``every`` blocks
-    (the engine's plan interval); the prompt's chunk ends always send."""
+def blocks_leaving(seq: Sequence, every: int = 1) -> range:
+    """Blocks that just left the protected recent window: the delayed decision
+    point. After the prompt they go in batches of ``every`` blocks (the
+    engine's plan interval); the prompt's chunk ends always send. Marks them
+    sent."""
     st, bs, n = seq.eviction, seq.block_size, seq.num_cached
     upto = max(0, (n - st.recent) // bs) if st.recent > 0 else n // bs
     start = max(seq.sent_upto, st.sink_blocks)
     if n > seq.num_prompt and upto - start < every:
-        return []
-    out = []
-    for b in range(start, upto):
-        col = (seq.block_index < b).sum(-1, keepdim=True).long()       # [L, Hkv, 1]
-        gather = lambda t: t.gather(2, col).squeeze(2)
-        km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).squeeze(2)
-        out.append(BlockFeatures(seq.request_id, b, b * bs, km.cpu(), gather(seq.value_norm).cpu(),
-                                 gather(seq.acc_mass).cpu(), n - b * bs))
+        return range(0)
     seq.sent_upto = max(seq.sent_upto, upto)
+    return range(start, upto)
+
+
+def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFeatures]]:
+    """Features of the blocks ``blocks_leaving`` named, per sequence. They are
+    resident in every row (never evicted while protected); each row finds a
+    block at the number of its blocks older than it. One copy to the host for
+    every sequence: a copy per field per block was a GPU sync each."""
+    leaving = [(seq, r) for seq, r in leaving if len(r)]
+    if not leaving:
+        return []
+    packed = []
+    for seq, r in leaving:
+        names = torch.arange(r.start, r.stop, device=seq.block_index.device)
+        col = (seq.block_index[..., None] < names).sum(2)                     # [L, Hkv, k]
+        g = lambda t: t.gather(2, col).float()
+        km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).float()
+        packed.append(torch.cat([km, g(seq.value_norm)[..., None], g(seq.acc_mass)[..., None]], 3)
+                      .permute(2, 0, 1, 3).reshape(len(r), -1))               # [k, L*Hkv*(d+2)]
+    host = (torch.cat(packed) if len(packed) > 1 else packed[0]).cpu()
+    out, at = [], 0
+    for seq, r in leaving:
+        L, H, d, bs, n = seq.num_layers, seq.num_kv_heads, seq.head_dim, seq.block_size, seq.num_cached
+        rows = host[at:at + len(r)].view(len(r), L, H, d + 2)
+        at += len(r)
+        out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs)
+                    for b, x in zip(r, rows)])
     return out
+
+
+def blocks_leaving_window(seq: Sequence, every: int = 1) -> list[BlockFeatures]:
+    """``blocks_leaving`` and their features, for one sequence."""
+    feats = leaving_features([(seq, blocks_leaving(seq, every))])
+    return feats[0] if feats else []
 
 
 def resident_block_features(seq: Sequence) -> list[BlockFeatures]:

@@ -25,7 +25,8 @@ import torch
 from kvpop.config import PLAN_INTERVAL
 from services.compute import detokenize
 from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
-from services.compute.block_features import blocks_leaving_window, resident_block_features, update_features
+from services.compute.block_features import (blocks_leaving, leaving_features, resident_block_features,
+                                             update_features)
 from services.compute.budget import EvictionParams, resolve_eviction
 from services.compute.eviction import (Round, drop_outside_window, evict_rounds, eviction_round, overshoot,
                                        plan_problem, usable_plan)
@@ -322,9 +323,7 @@ class LLMEngine:
                 out = self._emit(seq, tok, lp)
                 if not seq.prewarm:
                     outputs.append(out)
-        for seq, _ in batch:
-            if not seq.is_finished and seq.eviction.budget_blocks is not None:
-                self._after_step(seq)
+        self._after_step([seq for seq, _ in batch if not seq.is_finished and seq.eviction.budget_blocks is not None])
         self._flush_rounds()
         return outputs
 
@@ -406,25 +405,34 @@ class LLMEngine:
             return None
         return max(0.0, min(held) + self.config.plan_wait_s - time.monotonic())
 
-    def _after_step(self, seq: Sequence) -> None:
-        learned = seq.eviction.policy == LEARNED
-        if learned or seq.policy.uses_keys:
-            update_features(seq, self.pool)
-        if not learned:
-            if overshoot(seq) > 0:
+    def _after_step(self, seqs: list[Sequence]) -> None:
+        """Budgeted sequences after a step, all at once: block summaries, the
+        features that left the recent window (one copy to the host for all),
+        then each one's round (queued; _flush_rounds runs them together)."""
+        update_features([s for s in seqs if s.eviction.policy == LEARNED or s.policy.uses_keys], self.pool)
+        learned = []
+        for seq in seqs:
+            if seq.eviction.policy == LEARNED:
+                learned.append(seq)
+            elif overshoot(seq) > 0:
                 self._round(seq, None, "")
+        if not learned:
             return
         if self._advisor_up():
-            self._sync_advisor(seq)
-            feats = blocks_leaving_window(seq, self._plan_every(seq))
-            if feats:
+            for seq in learned:
+                self._sync_advisor(seq)
+            leaving = [(seq, blocks_leaving(seq, self._plan_every(seq))) for seq in learned]
+            for (seq, r), feats in zip([x for x in leaving if len(x[1])], leaving_features(leaving)):
                 if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
                     seq.submitted_at.clear()
                 seq.submitted_at[seq.sent_upto] = self.counters["steps"]
                 self._advise(self.advisor.submit, feats, self._take_gone(seq))
         else:
-            blocks_leaving_window(seq)   # advances sent_upto: re-sent in full when the advisor is back
-        self._learned_round(seq, time.monotonic())
+            for seq in learned:
+                blocks_leaving(seq)   # advances sent_upto: re-sent in full when the advisor is back
+        now = time.monotonic()
+        for seq in learned:
+            self._learned_round(seq, now)
 
     def _plan_every(self, seq: Sequence) -> int:
         """Blocks per features batch: the plan interval's, or 1 (send now) when

@@ -54,6 +54,25 @@ class _Decode:
     length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
 
 
+def stack_columns(ts: list[torch.Tensor], width: int, fill: int, dev) -> torch.Tensor:
+    """Stack [L, Hkv, NB_i] tensors as [L, B, Hkv, width], each padded with
+    ``fill``: one cat and one gather whatever B (a pad per sequence was a
+    kernel launch per sequence per step on a GPU). Sizes come from the host."""
+    sizes = [t.shape[2] for t in ts]
+    if all(n == width for n in sizes):
+        return torch.stack(ts, 1)
+    flat = torch.cat(ts, 2)                                                    # [L, Hkv, sum NB]
+    if not flat.shape[2]:
+        return flat.new_full((flat.shape[0], len(ts), flat.shape[1], width), fill)
+    lens = torch.tensor(sizes, device=dev)
+    starts = torch.cumsum(lens, 0) - lens
+    col = torch.arange(width, device=dev)
+    valid = col < lens[:, None]                                                # [B, width]
+    idx = torch.where(valid, starts[:, None] + col, 0).flatten()
+    out = flat.index_select(2, idx).view(flat.shape[0], flat.shape[1], len(ts), width)
+    return out.masked_fill(~valid, fill).transpose(1, 2).contiguous()
+
+
 class ModelRunner:
     def __init__(self, model, pool: KVPool):
         cfg = model.config
@@ -167,11 +186,10 @@ class ModelRunner:
         cur = [s.num_cached for s, _ in decode]
         windowed = self.window is not None and max(cur) >= self.window
         kernel = self.fused and not windowed   # the CUDA kernel has no window
-        # One stack instead of a copy per sequence; padding names page 0 at a
-        # block number past every query (so the torch path masks it).
-        pad = lambda t, v: t if t.shape[2] == nbmax else F.pad(t, (0, nbmax - t.shape[2]), value=v)
-        tables = torch.stack([pad(s.page_table, 0) for s, _ in decode], 1)     # [L, B, Hkv, NB]
-        bidx = None if kernel else torch.stack([pad(s.block_index, 1 << 30) for s, _ in decode], 1).long()
+        # Padding names page 0 at a block number past every query (so the torch path masks it).
+        seqs = [s for s, _ in decode]
+        tables = stack_columns([s.page_table for s in seqs], nbmax, 0, dev)              # [L, B, Hkv, NB]
+        bidx = None if kernel else stack_columns([s.block_index for s in seqs], nbmax, 1 << 30, dev).long()
         meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel)
         if kernel:
             meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)

@@ -98,7 +98,7 @@ def _write_keys(seq, pool, keys):
     """keys[L, H, NB, d]: every slot of a block gets its block's key."""
     pages = seq.page_table.long()
     pool.k_pages[pages] = keys[..., None, :].expand(*keys.shape[:3], BS, D)
-    update_features(seq, pool)
+    update_features([seq], pool)
 
 
 def test_knorm_keeps_low_norm_keys():
