@@ -9,7 +9,10 @@
 # present, else the test module runs as a plain script. About 5-8 minutes on
 # an H200: tests <= 180 s, bench <= 360 s (hard timeouts below).
 # Outputs: env.txt, tests.log (+ tests.xml), bench.log, bench.json, bench.md,
-# bench.png (when matplotlib is there).
+# bench.png (when matplotlib is there); then, when the serving stack's packages
+# import (the compose image, or `pip install -e .`): step.log/step.json (one
+# decode step's host cost per policy, `kvpop bench step`) and, when redis-server
+# is on the PATH, serve/ (`kvpop bench serve` at saturation, dense vs learned vs h2o).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"
@@ -62,6 +65,27 @@ timeout 360 "$PY" -m kvpop.bench_kernels --out "$OUT" --time-budget 250 ${BENCH_
 rc=${PIPESTATUS[0]}
 echo "bench exit code: $rc" | tee -a "$OUT/bench.log"
 [ "$rc" -ne 0 ] && status=1
+
+KVPOP=("$PY" -c "import sys; from kvpop.cli import main; sys.exit(main(sys.argv[1:]))")
+STEP_ARGS=(--sequences 14,48,96); SERVE_ARGS=(--rates inf)
+if [[ " ${BENCH_ARGS:-} " == *" --dry-run "* ]]; then    # the CPU smoke run: tiny sizes
+  STEP_ARGS=(--sequences 2 --steps 4); SERVE_ARGS=(--quick)
+fi
+if "$PY" -c "import grpc, redis, opentelemetry.sdk, kvpop.bench_serve" 2>/dev/null; then
+  echo "== (c) decode step cost" | tee "$OUT/step.log"
+  timeout 300 "${KVPOP[@]}" bench step --device auto "${STEP_ARGS[@]}" --json "$OUT/step.json" 2>&1 | tee -a "$OUT/step.log"
+  [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  if command -v redis-server >/dev/null; then
+    echo "== (d) serving benchmark" | tee "$OUT/serve.log"
+    OTEL_TRACES_EXPORTER=none timeout 300 "${KVPOP[@]}" bench serve --policies dense,learned,h2o \
+      "${SERVE_ARGS[@]}" --out "$OUT/serve" 2>&1 | tee -a "$OUT/serve.log"
+    [ "${PIPESTATUS[0]}" -ne 0 ] && status=1
+  else
+    echo "== (d) serving benchmark skipped: no redis-server on the PATH" | tee "$OUT/serve.log"
+  fi
+else
+  echo "== (c, d) skipped: the serving stack's packages do not import (pip install -e . first)" | tee "$OUT/step.log"
+fi
 
 echo "== done (status $status); results in $OUT"
 exit $status

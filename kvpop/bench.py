@@ -48,7 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--requests", type=int, default=40, help="requests per side and repeat")
     x.add_argument("--system-len", type=int, default=512, help="shared system prompt (tokens)")
     x.add_argument("--user-len", type=int, default=16, help="distinct user turn (tokens)")
-    from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve
+    from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
+    bench_step.add_arguments(sub.add_parser(
+        "step", help="one decode step's host cost per policy and sequences, in process: ms, launches, device reads"))
     bench_scoring.add_arguments(sub.add_parser(
         "scoring", help="the network's cost per plan as a sequence grows: incremental (served) vs full passes"))
     bench_context.add_arguments(sub.add_parser(
@@ -75,10 +77,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.bench in ("learned", "serve", "grpc", "context", "scoring"):
-        from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve
-        return {"learned": bench_learned, "serve": bench_serve, "grpc": bench_grpc,
-                "context": bench_context, "scoring": bench_scoring}[args.bench].run(args)
+    if args.bench in ("learned", "serve", "grpc", "context", "scoring", "step"):
+        from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
+        return {"learned": bench_learned, "serve": bench_serve, "grpc": bench_grpc, "context": bench_context,
+                "scoring": bench_scoring, "step": bench_step}[args.bench].run(args)
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -75,3 +75,20 @@ def test_bench_scoring_replays_a_sequence_on_both_paths(tmp_path):
             # Rows were held to the budget through the replay, one decoded block over at most.
             assert m["held_max"] <= m["budget"] + 1 and m["budget"] == round(r["length"] * 0.25)
             assert m["prefill_plans"] == -(-r["length"] // 32) and m["decode_ms_median"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_step_counts_launches_and_leaves_the_planner_out(tmp_path):
+    out = tmp_path / "step.json"
+    rc = main(["bench", "step", "--policies", "dense,learned", "--sequences", "2,6", "--steps", "16",
+               "--threads", "1", "--device", "cpu", "--json", str(out)])
+    assert rc == 0
+    rows = {(r["policy"], r["sequences"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("dense", 2), ("dense", 6), ("learned", 2), ("learned", 6)}
+    for r in rows.values():
+        assert r["device"] == "cpu" and r["step_ms"] > 0 and r["launches"] > 50
+    # Dense plans nothing; learned's planner ran in process (16 steps: every sequence sent a
+    # block's features) and was timed apart.
+    assert rows["dense", 6]["planner_ms"] == 0 and rows["learned", 6]["planner_ms"] > 0
+    # The forward's launches do not depend on the batch: a step for 6 is not 3x one for 2.
+    assert rows["dense", 6]["launches"] < 1.5 * rows["dense", 2]["launches"]

@@ -2,38 +2,19 @@
 and a decode step for a hundred small sequences was bound by them (docs/
 benchmarks.md, "On a GPU"). Between block ends no operation of a step may be
 per sequence: counted here as dispatched operations (views excluded, which
-launch nothing), on the CPU, where the count is the same as on a GPU."""
+launch nothing; `kvpop bench step` counts the same way), on the CPU, where
+the count is the same as on a GPU."""
 from __future__ import annotations
 
-import collections
-
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from kvpop.bench_step import DispatchCounter
 from services.compute.engine import EvictionParams, SamplingParams
 
-# Operations that only make a new view or wrap existing memory: no kernel.
-VIEWS = {"view", "slice", "select", "expand", "permute", "t", "unsqueeze", "squeeze", "_unsafe_view",
-         "split_with_sizes", "split", "transpose", "as_strided", "alias", "detach", "lift_fresh", "unbind",
-         "reshape", "flatten", "_reshape_alias", "narrow"}
 
-
-class Launches(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name not in VIEWS:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def launches_per_step(policy: str, n: int, steps: int = 34) -> list[tuple[int, collections.Counter]]:
+def launches_per_step(policy: str, n: int, steps: int = 34) -> list:
     """Launch counts of ``steps`` decode steps once every sequence decodes,
     each with the context length of the sequences at that step (all prompts
     have the same length, so they cross block ends together, give or take
@@ -48,10 +29,10 @@ def launches_per_step(policy: str, n: int, steps: int = 34) -> list[tuple[int, c
     out = []
     for _ in range(steps):
         lengths = {s.num_cached for s in eng.seqs.values()}
-        counter = Launches()
+        counter = DispatchCounter()
         with counter:
             eng.step()
-        out.append((lengths, counter.ops))
+        out.append((lengths, counter.launches))
     return out
 
 
