@@ -49,7 +49,7 @@ def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
 
 def submission_times(ends: list[int], nblocks: int, cfg: TraceConfig, prompt_len: int = 0) -> np.ndarray:
     """[nblocks] step end at which each block is sent (-1: never / a sink block),
-    following compute's ``blocks_leaving_window``: after ``prompt_len``, in
+    following compute's ``blocks_leaving``: after ``prompt_len``, in
     batches of the plan interval's blocks."""
     bs, sink_blocks = cfg.block_size, math.ceil(cfg.sink / cfg.block_size)
     every = max(1, -(-cfg.plan_interval // bs))

@@ -52,36 +52,30 @@ def blocks_leaving(seq: Sequence, every: int = 1) -> range:
 
 
 def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFeatures]]:
-    """Features of the blocks ``blocks_leaving`` named, per sequence. They are
-    resident in every row (never evicted while protected); each row finds a
-    block at the number of its blocks older than it. One copy to the host for
-    every sequence: a copy per field per block was a GPU sync each."""
-    leaving = [(seq, r) for seq, r in leaving if len(r)]
-    if not leaving:
-        return []
+    """Features of the blocks ``blocks_leaving`` named, one list per entry
+    (empty for an empty range). They are resident in every row (never evicted
+    while protected); each row finds a block at the number of its blocks older
+    than it. One copy to the host for every sequence: a copy per field per
+    block was a GPU sync each."""
     packed = []
     for seq, r in leaving:
+        if not len(r):
+            continue
         names = torch.arange(r.start, r.stop, device=seq.block_index.device)
         col = (seq.block_index[..., None] < names).sum(2)                     # [L, Hkv, k]
         g = lambda t: t.gather(2, col).float()
         km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).float()
         packed.append(torch.cat([km, g(seq.value_norm)[..., None], g(seq.acc_mass)[..., None]], 3)
                       .permute(2, 0, 1, 3).reshape(len(r), -1))               # [k, L*Hkv*(d+2)]
-    host = (torch.cat(packed) if len(packed) > 1 else packed[0]).cpu()
+    host = torch.cat(packed).cpu() if packed else None
     out, at = [], 0
     for seq, r in leaving:
         L, H, d, bs, n = seq.num_layers, seq.num_kv_heads, seq.head_dim, seq.block_size, seq.num_cached
-        rows = host[at:at + len(r)].view(len(r), L, H, d + 2)
+        rows = host[at:at + len(r)].view(len(r), L, H, d + 2) if len(r) else []
         at += len(r)
         out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs)
                     for b, x in zip(r, rows)])
     return out
-
-
-def blocks_leaving_window(seq: Sequence, every: int = 1) -> list[BlockFeatures]:
-    """``blocks_leaving`` and their features, for one sequence."""
-    feats = leaving_features([(seq, blocks_leaving(seq, every))])
-    return feats[0] if feats else []
 
 
 def resident_block_features(seq: Sequence) -> list[BlockFeatures]:

@@ -422,7 +422,9 @@ class LLMEngine:
             for seq in learned:
                 self._sync_advisor(seq)
             leaving = [(seq, blocks_leaving(seq, self._plan_every(seq))) for seq in learned]
-            for (seq, r), feats in zip([x for x in leaving if len(x[1])], leaving_features(leaving)):
+            for (seq, _), feats in zip(leaving, leaving_features(leaving)):
+                if not feats:
+                    continue
                 if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
                     seq.submitted_at.clear()
                 seq.submitted_at[seq.sent_upto] = self.counters["steps"]

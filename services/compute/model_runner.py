@@ -54,7 +54,7 @@ class _Decode:
     length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
 
 
-def stack_columns(ts: list[torch.Tensor], width: int, fill: int, dev) -> torch.Tensor:
+def stack_columns(ts: list[torch.Tensor], width: int, fill: int) -> torch.Tensor:
     """Stack [L, Hkv, NB_i] tensors as [L, B, Hkv, width], each padded with
     ``fill``: one cat and one gather whatever B (a pad per sequence was a
     kernel launch per sequence per step on a GPU). Sizes come from the host."""
@@ -64,6 +64,7 @@ def stack_columns(ts: list[torch.Tensor], width: int, fill: int, dev) -> torch.T
     flat = torch.cat(ts, 2)                                                    # [L, Hkv, sum NB]
     if not flat.shape[2]:
         return flat.new_full((flat.shape[0], len(ts), flat.shape[1], width), fill)
+    dev = flat.device
     lens = torch.tensor(sizes, device=dev)
     starts = torch.cumsum(lens, 0) - lens
     col = torch.arange(width, device=dev)
@@ -188,8 +189,8 @@ class ModelRunner:
         kernel = self.fused and not windowed   # the CUDA kernel has no window
         # Padding names page 0 at a block number past every query (so the torch path masks it).
         seqs = [s for s, _ in decode]
-        tables = stack_columns([s.page_table for s in seqs], nbmax, 0, dev)              # [L, B, Hkv, NB]
-        bidx = None if kernel else stack_columns([s.block_index for s in seqs], nbmax, 1 << 30, dev).long()
+        tables = stack_columns([s.page_table for s in seqs], nbmax, 0)              # [L, B, Hkv, NB]
+        bidx = None if kernel else stack_columns([s.block_index for s in seqs], nbmax, 1 << 30).long()
         meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel)
         if kernel:
             meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)

@@ -65,7 +65,7 @@ def test_targets_and_features_match_a_naive_dense_computation(target):
     # Step ends: chunks of 16 over the prompt, then one token per step.
     assert step_ends(P, T, 16) == [16, 30] + list(range(31, 46))
     sub = {}
-    for n in step_ends(P, T, 16):                   # compute's blocks_leaving_window, by hand
+    for n in step_ends(P, T, 16):                   # compute's blocks_leaving, by hand
         for b in range(1, (n - 8) // bs):
             sub.setdefault(b, n)
     assert ex["block"].tolist() == sorted(sub)

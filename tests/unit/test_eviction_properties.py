@@ -263,6 +263,6 @@ def test_page_tables_stacked_together_equal_each_padded_alone(data):
     g = torch.Generator().manual_seed(sum(sizes))
     ts = [torch.randint(0, 1000, (L, H, n), dtype=torch.int32, generator=g) for n in sizes]
     want = torch.stack([F.pad(t, (0, width - t.shape[2]), value=fill) for t in ts], 1)
-    got = stack_columns(ts, width, fill, "cpu")
+    got = stack_columns(ts, width, fill)
     assert got.dtype == want.dtype and got.is_contiguous()
     assert torch.equal(got, want)
