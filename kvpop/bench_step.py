@@ -88,15 +88,21 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     warm = 20
     eng = LLMEngine(EngineConfig(model_dir, block_size=args.block_size, device=device, num_pages=400_000,
                                  max_num_seqs=max(256, n), cleanup_threshold=float("inf")), advisor=advisor)
-    for i, inst in enumerate(workload(n, 0)):
-        eng.add_request(f"r{i}", eng.tokenizer.encode(inst.prompt),
-                        SamplingParams(max_tokens=warm + 2 * args.steps + 8, ignore_eos=True),
+    prompts = [eng.tokenizer.encode(inst.prompt) for inst in workload(n, 0)]
+    # Prompts are prefilled a chunk per step while the first ones already decode:
+    # every sequence must outlast all prefills, the warm-up and both measured passes.
+    prefill_steps = -(-sum(map(len, prompts)) // eng.config.prefill_chunk) + n
+    max_tokens = prefill_steps + warm + 2 * args.steps + 8
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                         EvictionParams(policy=policy, budget=None if policy == "dense" else args.budget,
                                        sink=4, recent=8))
     while any(s.num_cached < s.num_prompt for s in eng.seqs.values()):
         eng.step()
     for _ in range(warm):
         eng.step()
+    if len(eng.seqs) != n:
+        raise RuntimeError(f"{n - len(eng.seqs)} of {n} sequences finished before the measured steps")
     with counter:
         for _ in range(args.steps):
             eng.step()
@@ -108,6 +114,8 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
         eng.step()
     sync()
     wall = (time.perf_counter() - t0) / args.steps
+    if len(eng.seqs) != n:
+        raise RuntimeError(f"{n - len(eng.seqs)} of {n} sequences finished during the measured steps")
     planner = ((advisor.score_seconds if advisor else 0.0) - scored) / args.steps
     step = wall - planner
     launches = sum(counter.launches.values()) / args.steps
