@@ -1,6 +1,6 @@
 """On a GPU every tensor operation the engine dispatches is a kernel launch,
-and a decode step for a hundred small sequences was bound by them (docs/
-benchmarks.md, "On a GPU"). Between block ends no operation of a step may be
+and a decode step for a hundred small sequences was bound by host work
+(docs/benchmarks.md, "On a GPU"). Between block ends no operation of a step may be
 per sequence: counted here as dispatched operations (views excluded, which
 launch nothing; `kvpop bench step` counts the same way), on the CPU, where
 the count is the same as on a GPU."""
