@@ -343,3 +343,27 @@ def test_a_dense_sequence_grown_a_block_at_a_time_is_rebuilt_rarely():
     assert seq.num_blocks == 600 and torch.equal(seq.block_index[1, 1], torch.arange(600, dtype=torch.int32))
     # Spare columns double up to 1,024: 16, 32, ... 512 -> 7 rebuilds, not 600.
     assert len(storages) <= 8, len(storages)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_one_packed_sort_orders_as_four_stable_sorts(data):
+    """The eviction order by one 64-bit key equals the order by four stable
+    sorts (score, plan place, protection, sequence), ties included: repeated
+    scores, -0.0 and 0.0, infinities, named and unnamed blocks."""
+    import torch
+
+    from services.compute.eviction import _order
+
+    L, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
+    sizes = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=5))
+    N, k = sum(sizes), data.draw(st.integers(0, 6))
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    pick = lambda values: torch.tensor(data.draw(st.lists(st.sampled_from(values), min_size=L * H * N,
+                                                          max_size=L * H * N))).view(L, H, N)
+    scores = pick([0.0, -0.0, 1.5, -1.5, 2.0, float("inf"), float("-inf"), 1e-30, -3e5]).float()
+    rank = pick([float("inf")] + [float(-j) for j in range(1, k + 1)]).float()
+    protected = pick([False, True])
+    packed = _order(scores, rank, protected, seg, len(sizes), k)
+    sorted4 = _order(scores, rank, protected, seg, len(sizes), 1 << 40)    # too wide to pack: four sorts
+    assert torch.equal(packed, sorted4)
