@@ -1,10 +1,15 @@
 """`kvpop bench serve`: a stream of requests arriving over time against one
 fixed KV pool, through a running stack (like vLLM's serving benchmark).
 
-A seeded workload of task-suite prompts (all four families, 600–1,280
-tokens), greedy, each generating `--new-tokens` (EOS ignored: long
-generations, decode-bound as chat serving is; the answer is checked on the
-text up to its end-of-solution mark). Each request is a distinct client
+A seeded workload, greedy, each request generating `--new-tokens` (EOS
+ignored: long generations, decode-bound as chat serving is):
+`--suite tasks` (default) the task suite's prompts for the default model (all
+four families, 600–1,280 tokens; the answer is checked on the text up to its
+end-of-solution mark); `--suite real` the real-text retrieval prompts of
+`kvpop eval --suite real` at `--lengths`, sent as chat `messages` (the
+model's template renders them), an answer counting when every expected value
+appears in the text. A policy named `NAME+after` holds its budget from the
+end of the prompt on (the request's `evict_after_prompt`). Each request is a distinct client
 (x-client-id), as many users would be. Poisson arrivals at each offered rate (`inf`: everything at once, the
 saturation point). Every policy runs the same requests on the same stack and
 pool, one after the other. Reported per (policy, rate): requests/s, output
@@ -53,6 +58,10 @@ def add_arguments(p) -> None:
     p.add_argument("--sink", type=int, default=4, help="sink tokens of every request")
     p.add_argument("--recent", type=int, default=8, help="recent-window tokens of every request (the eval's 8)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--suite", choices=("tasks", "real"), default="tasks",
+                   help="tasks: the default model's task prompts; real: real-text retrieval chats (SmolLM2)")
+    p.add_argument("--lengths", default="1024,2048", help="--suite real: prompt lengths in the model's tokens")
+    p.add_argument("--tasks", default="needle,multikey", help="--suite real: families")
     p.add_argument("--quick", action="store_true", help="a small run that checks the benchmark works")
     p.add_argument("--out", type=Path, required=True)
 
@@ -108,9 +117,38 @@ def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
     return insts[:n]
 
 
+def real_workload(model_dir: str, n: int, seed: int, lengths: list[int], families: list[str]):
+    """n real-text chats, families and lengths in turn (the eval's test sets: seeds no training draws)."""
+    from kvpop.tasks import ruler
+    from services.compute.model_config import ModelConfig
+    from services.compute.tokenizer import Tokenizer
+    unknown = sorted(set(families) - set(ruler.FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown --tasks {unknown}; real-text families are {', '.join(ruler.FAMILIES)}")
+    limit = ModelConfig.from_hf(Path(model_dir) / "config.json").max_position_embeddings - 64
+    per = math.ceil(n / (len(families) * len(lengths)))
+    insts = ruler.test_set(Tokenizer(model_dir), per, lengths, families, seed, limit)
+    random.Random(seed).shuffle(insts)
+    return insts[:n]
+
+
+def correct(inst, text: str) -> bool:
+    from kvpop.tasks.checker import is_correct
+    return inst.check(text) if hasattr(inst, "check") else is_correct(inst, text)
+
+
+def make_request(pb, inst, policy: str, budget: float, new_tokens: int, sink: int, recent: int):
+    """The request for one instance: a chat when it has messages, `+after` as evict_after_prompt."""
+    after = policy.endswith("+after")
+    req = request(pb, inst.prompt, policy.removesuffix("+after"), budget, new_tokens,
+                  messages=getattr(inst, "messages", None))
+    req.sink_tokens, req.recent_tokens = sink, recent
+    req.evict_after_prompt = after
+    return req
+
+
 def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
             sink: int = 4, recent: int = 8, new_tokens: int = 256, security=None) -> dict:
-    from kvpop.tasks.checker import is_correct
     rng = random.Random(seed)
     streams = []
     t0 = time.perf_counter()
@@ -118,8 +156,7 @@ def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: s
         for i, inst in enumerate(insts):
             if math.isfinite(rate):
                 time.sleep(rng.expovariate(rate))
-            req = request(pb, inst.prompt, policy, budget, new_tokens)
-            req.sink_tokens, req.recent_tokens = sink, recent
+            req = make_request(pb, inst, policy, budget, new_tokens, sink, recent)
             s = Stream(stub, req, client_id=f"bench-user-{i}")
             s.inst = inst
             streams.append(s.start())
@@ -144,8 +181,8 @@ def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: s
         "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
         "peak_running": peaks.running, "peak_pages": peaks.pages,
         "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
-        "network_share": round(network / evicted, 4) if policy == "learned" and evicted else None,
-        "accuracy": round(sum(is_correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
+        "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
+        "accuracy": round(sum(correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
         "_ttft": ttft, "_itl": itl,
     }
 
@@ -160,6 +197,14 @@ def run(args) -> int:
     if any(r <= 0 for r in rates) or args.requests < 1 or not policies:
         print("kvpop bench serve: --rates must be > 0, --requests >= 1, --policies non-empty")
         return 2
+    try:
+        insts = (workload(args.requests, args.seed) if args.suite == "tasks" else
+                 real_workload(str(args.model), args.requests, args.seed,
+                               [int(x) for x in args.lengths.split(",") if x.strip()],
+                               [f.strip() for f in args.tasks.split(",") if f.strip()]))
+    except ValueError as e:
+        print(f"kvpop bench serve: {e}")
+        return 2
     stack = None
     address, compute = args.via, args.compute
     if not args.via:
@@ -170,7 +215,6 @@ def run(args) -> int:
                             service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
                                                       str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
         address, compute = stack.gateway, stack.proc("compute").address
-    insts = workload(args.requests, args.seed)
     rows = []
     try:
         with grpc.insecure_channel(address) as ch:
@@ -178,7 +222,8 @@ def run(args) -> int:
             # Warm both paths (first calls are slow), not measured.
             for pol in policies:
                 if pol != "hf":
-                    Stream(stub, request(generate_pb2, insts[0].prompt, pol, args.budget, 4)).start().thread.join()
+                    Stream(stub, make_request(generate_pb2, insts[0], pol, args.budget, 4, args.sink, args.recent)
+                           ).start().thread.join()
             bar = tqdm(total=len(policies) * len(rates) * len(insts), desc="bench serve", dynamic_ncols=True)
             for rate in rates:
                 for pol in policies:
@@ -241,7 +286,7 @@ def write(args, rows: list[dict], policies: list[str], rates: list[float]) -> No
     out.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     s = summary(clean, policies, rates)
-    meta = {"command": "kvpop bench serve", "requests": args.requests, "budget": args.budget,
+    meta = {"command": "kvpop bench serve", "suite": args.suite, "requests": args.requests, "budget": args.budget,
             "new_tokens": args.new_tokens,
             "sink": args.sink, "recent": args.recent,
             "num_pages": None if args.via else args.num_pages, "block_size": args.block_size, "seed": args.seed}

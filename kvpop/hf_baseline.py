@@ -45,13 +45,15 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    from kvpop.tasks.checker import is_correct
+    from kvpop.bench_serve import correct
     from services.compute.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad = tok.eos_token_ids and min(tok.eos_token_ids) or 0
-    prompts = [tok.encode(inst.prompt) for inst in insts]
+    # A chat instance carries its template-rendered ids (what compute builds from its messages).
+    prompts = [list(inst.prompt_ids) if getattr(inst, "messages", None) else tok.encode(inst.prompt)
+               for inst in insts]
     offsets = arrival_offsets(len(insts), rate, seed)
     ttft, tpot, itl, texts, peak = [], [], [], [None] * len(insts), 0
     done, t0 = 0, time.perf_counter()
@@ -89,6 +91,6 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
         "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
         "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
         "peak_running": peak, "peak_pages": 0, "network_share": None,
-        "accuracy": round(sum(is_correct(inst, t) for inst, t in zip(insts, texts)) / len(insts), 4),
+        "accuracy": round(sum(correct(inst, t) for inst, t in zip(insts, texts)) / len(insts), 4),
         "_ttft": ttft, "_itl": itl,
     }

@@ -8,9 +8,12 @@ import time
 import grpc
 
 
-def request(pb, prompt: str, policy: str, budget: float | None, new_tokens: int, ignore_eos: bool = True):
-    req = pb.GenerateRequest(prompt=prompt, policy=policy, max_tokens=new_tokens, ignore_eos=ignore_eos,
-                             temperature=0.0)
+def request(pb, prompt: str, policy: str, budget: float | None, new_tokens: int, ignore_eos: bool = True,
+            messages: list[dict] | None = None):
+    """A greedy request; with ``messages`` a chat (the prompt is then unused)."""
+    req = pb.GenerateRequest(prompt="" if messages else prompt, policy=policy, max_tokens=new_tokens,
+                             ignore_eos=ignore_eos, temperature=0.0,
+                             messages=[pb.ChatMessage(**m) for m in messages or []])
     if policy != "dense" and budget is not None:
         req.budget_fraction = budget
     return req

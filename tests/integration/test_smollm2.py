@@ -307,6 +307,22 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
                     list(stub.Generate(req, timeout=30))
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
 
+            # `kvpop bench serve --suite real` through this stack: chats, +after as evict_after_prompt.
+            import argparse
+
+            from kvpop import bench_serve
+            p = argparse.ArgumentParser()
+            bench_serve.add_arguments(p)
+            out = tmp_path / "serve_real"
+            args = p.parse_args(["--via", gateway, "--model", str(model_dir), "--suite", "real", "--lengths", "512",
+                                 "--tasks", "needle", "--requests", "2", "--new-tokens", "24", "--rates", "inf",
+                                 "--policies", "dense,learned+after", "--out", str(out)])
+            assert bench_serve.run(args) == 0
+            rows = {r["policy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+            assert rows["dense"]["errors"] == 0 and rows["dense"]["accuracy"] == 1.0, rows["dense"]
+            after = rows["learned+after"]
+            assert after["errors"] == 0 and after["network_share"] >= 0.99, after
+
         gen = _kvpop("generate", "--chat", "What is the capital of France?", "--system", "Answer in one sentence.",
                      "--policy", "dense", "--max-tokens", "32", env=env, timeout=120)
         assert gen.returncode == 0, gen.stderr
