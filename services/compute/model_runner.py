@@ -270,10 +270,14 @@ class ModelRunner:
         k, v = k.float(), v.float()
         qh = q[pf.start:pf.start + t].float().view(t, self.Hkv, G, d).permute(1, 2, 0, 3)
         logits = torch.einsum("hgtd,hsd->hgts", qh, k) * self.scale            # [Hkv, G, t, S]
-        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+        probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), -1)
         out = torch.einsum("hgts,hsd->hgtd", probs, v)
-        mass = probs.view(self.Hkv, G, t, NB, self.bs).sum(-1).mean(1)         # [Hkv, t, NB]
-        pf.acc.append(mass.sum(1))
-        pf.last.append(mass[:, -1])
-        pf.window.append(mass[:, -seq.win_mass.shape[3]:])
+        # Block mass summed over the chunk's queries, and of the newest queries the
+        # ring keeps, without a [Hkv, t, NB] copy of every query's (at block size 1
+        # and a 4k context that copy and its sums were a quarter of a prefill).
+        blocks = lambda p: (p if self.bs == 1 else p.view(*p.shape[:-1], NB, self.bs).sum(-1)).mean(1)
+        window = blocks(probs[:, :, -seq.win_mass.shape[3]:])                  # [Hkv, W, NB]
+        pf.acc.append(blocks(probs.sum(2)))
+        pf.last.append(window[:, -1])
+        pf.window.append(window)
         return out.permute(2, 0, 1, 3).reshape(t, self.Hq, d).to(q.dtype)
