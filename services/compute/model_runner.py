@@ -257,7 +257,10 @@ class ModelRunner:
         k = self.pool.k_pages[pages].reshape(self.Hkv, NB * self.bs, d)
         v = self.pool.v_pages[pages].reshape(self.Hkv, NB * self.bs, d)
         # Slots past the last written token have positions > every query: masked too.
-        causal = pf.slot_pos[layer][:, None, None, :] <= pf.q_pos[None, None, :, None]
+        visible = lambda cols: pf.slot_pos[layer][:, None, None, cols] <= pf.q_pos[None, None, :, None]
+        causal = None
+        if self.window is not None or seq.eviction.budget_blocks is None:
+            causal = visible(slice(None))
         if self.window is not None:
             causal &= pf.slot_pos[layer][:, None, None, :] > pf.q_pos[None, None, :, None] - self.window
         if seq.eviction.budget_blocks is None:
@@ -268,9 +271,17 @@ class ModelRunner:
                 scale=self.scale, enable_gqa=G > 1)
             return out.transpose(0, 1)
         k, v = k.float(), v.float()
-        qh = q[pf.start:pf.start + t].float().view(t, self.Hkv, G, d).permute(1, 2, 0, 3)
-        logits = torch.einsum("hgtd,hsd->hgts", qh, k) * self.scale            # [Hkv, G, t, S]
-        probs = torch.softmax(logits.masked_fill_(~causal, float("-inf")), -1)
+        qh = q[pf.start:pf.start + t].float().view(t, self.Hkv, G, d).permute(1, 2, 0, 3) * self.scale
+        logits = torch.einsum("hgtd,hsd->hgts", qh, k)                         # [Hkv, G, t, S]
+        if self.window is None:
+            # Blocks wholly before the chunk are visible to all of its queries: only the
+            # trailing columns (the chunk's own blocks, never evicted yet) need the mask.
+            first = seq.num_cached // self.bs
+            tail = (math.ceil((seq.num_cached + t) / self.bs) - first) * self.bs
+            logits[..., -tail:].masked_fill_(~visible(slice(-tail, None)), float("-inf"))
+        else:
+            logits.masked_fill_(~causal, float("-inf"))
+        probs = torch.softmax(logits, -1)
         out = torch.einsum("hgts,hsd->hgtd", probs, v)
         # Block mass summed over the chunk's queries, and of the newest queries the
         # ring keeps, without a [Hkv, t, NB] copy of every query's (at block size 1

@@ -45,6 +45,24 @@ def test_eviction_machinery_with_room_to_spare_changes_nothing(model, policy):
     assert outs[-1].usage.kv_blocks_evicted == 0
 
 
+@pytest.mark.parametrize("block_size", [3, 5, 16])
+def test_budgeted_prefill_with_room_to_spare_gives_dense_logprobs(model, block_size):
+    """The statistics path of a prefill chunk masks only the chunk's own blocks
+    (older blocks are visible to all its queries): with chunks that start
+    inside a block, every step's logprob still equals the dense path's (greedy
+    tokens alone would not see a wrongly masked slot)."""
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=True)
+    prompt = random_prompt(41, seed=5)
+    got = {}
+    for policy, budget in (("dense", None), ("h2o", 256)):
+        engine = tiny_engine(model, block_size=block_size, prefill_chunk=8)
+        outs = list(engine.generate(prompt, sampling, EvictionParams(policy, budget=budget, sink=4, recent=8)))
+        assert outs[-1].usage.kv_blocks_evicted == 0
+        got[policy] = ([o.token_id for o in outs], [o.logprob for o in outs])
+    assert got["h2o"][0] == got["dense"][0]
+    assert max(abs(a - b) for a, b in zip(got["h2o"][1], got["dense"][1])) < 1e-5
+
+
 def test_batch_of_16_equals_alone(model):
     """Different prompt lengths, joining at different steps, greedy and seeded
     sampling: every request gets exactly the tokens it gets alone."""
