@@ -126,6 +126,20 @@ class Planner:
             seq.add(r)
         if gone is not None:
             seq.mark_gone(gone)
+        if records and records[-1].block > 0:
+            self._check_block_size(records[-1].position // records[-1].block)
+
+    def _check_block_size(self, block_size: int) -> None:
+        """Say once per block size when the network was trained on others: at block
+        sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked
+        below the keydiff heuristic in our eval (docs/evaluation.md)."""
+        trained = (self.scorer.model.cfg.trained.get("block_sizes") or []) if self.scorer is not None else []
+        key = ("block_size", block_size)
+        if trained and block_size not in trained and key not in self._warned:
+            self._warned.add(key)
+            log.warning("estimator %s was trained at block sizes %s; features arrive at block size %d, where "
+                        "its rankings are untested (retrain with `kvpop train-estimator --block-sizes %d`)",
+                        self.loaded, trained, block_size, block_size)
 
     def plan(self, request_id: str) -> Plan:
         """Rank every known block of the sequence, most evictable first."""

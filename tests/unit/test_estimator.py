@@ -291,3 +291,31 @@ def test_attention_paths_agree_on_output_and_log_sum_exp():
         paths.append(flash(q, k, v, scale=0.3)[:2])
     for out, lse in paths:
         assert torch.allclose(out, want_out, atol=1e-5) and torch.allclose(lse, want_lse, atol=1e-5)
+
+
+def test_planner_warns_once_about_a_block_size_the_network_was_not_trained_on(caplog):
+    """The shipped estimator records the block sizes it was trained on; features
+    at another block size are ranked all the same, and the log says so once."""
+    import logging
+
+    from services.cache_manager.planner import Planner
+    from services.cache_manager.scoring_state import BlockRecord
+
+    planner = Planner("")
+    trained = planner.scorer.model.cfg.trained["block_sizes"]
+    c = planner.scorer.model.cfg
+    rng = np.random.default_rng(0)
+
+    def send(rid, bs, blocks):
+        planner.add(rid, [BlockRecord(b, b * bs, 8, rng.standard_normal((c.num_layers, c.num_kv_heads, c.head_dim),
+                                                                         dtype=np.float32),
+                                      np.ones((c.num_layers, c.num_kv_heads), np.float32),
+                                      np.ones((c.num_layers, c.num_kv_heads), np.float32)) for b in blocks])
+        return planner.plan(rid)
+
+    untrained = next(b for b in range(2, 64) if b not in trained)
+    with caplog.at_level(logging.WARNING, logger="services.cache_manager.planner"):
+        for rid, bs in (("a", trained[-1]), ("b", untrained), ("c", untrained)):
+            assert send(rid, bs, range(1, 12)).ranker == "network"
+    said = [r.getMessage() for r in caplog.records if "trained at block sizes" in r.getMessage()]
+    assert len(said) == 1 and f"block size {untrained}," in said[0], said
