@@ -39,14 +39,16 @@ class BlockFeatures(_message.Message):
     def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
 
 class FeaturesBatch(_message.Message):
-    __slots__ = ("request_id", "blocks", "gone")
+    __slots__ = ("request_id", "blocks", "gone", "more")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockFeatures]
     gone: IntArray
-    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class SequenceFinished(_message.Message):
     __slots__ = ("request_id",)

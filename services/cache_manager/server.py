@@ -85,6 +85,7 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
         sequence per round, never one per message, so plans do not fall
         further and further behind the features they answer."""
         seen: set[str] = set()
+        parts: dict[str, tuple] = {}   # rid -> what its batch's earlier parts brought (no plan yet)
         inbox: asyncio.Queue = asyncio.Queue()
 
         async def read() -> None:
@@ -110,6 +111,7 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                         self.state.drop(rid)
                         seen.discard(rid)
                         due.pop(rid, None)
+                        parts.pop(rid, None)
                         continue
                     if kind != "features" or not msg.features.request_id:
                         continue
@@ -120,8 +122,9 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                         log.warning("skipping features for %s: %s", rid, e)
                         continue
                     seen.add(rid)
-                    _, n, blocks = due.pop(rid, (None, 0, 0))
-                    due[rid] = (msg, n + 1, blocks + len(msg.features.blocks))
+                    _, n, blocks = parts.pop(rid, None) or due.pop(rid, None) or (None, 0, 0)
+                    # A part with more to come is folded, but planned only with its batch's last part.
+                    (parts if msg.features.more else due)[rid] = (msg, n + 1, blocks + len(msg.features.blocks))
                 for rid, (msg, n, blocks) in due.items():
                     parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
                     with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:

@@ -30,6 +30,9 @@ from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan
 log = logging.getLogger(__name__)
 
 MAX_QUEUED = 4096   # messages waiting for the stream; the oldest go first when full
+# A features batch goes in parts of at most this many bytes of block arrays:
+# under the cache-manager's default 4 MB message limit, whatever the model.
+MAX_PART_BYTES = 1 << 21
 MAX_BACKOFF_S = 0.25
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
@@ -106,18 +109,22 @@ class AdvisorClient:
         for rid, feats in by_request.items():
             with self._lock:
                 ctx = self._contexts.get(rid, {})
-            batch = pb.FeaturesBatch(request_id=rid, blocks=[pb.BlockFeatures(
-                block=f.block, position=f.position, age=f.age,
-                key_mean=to_float_array(f.key_mean.float().numpy()),
-                value_norm=to_float_array(f.value_norm.float().numpy()),
-                attention=to_float_array(f.attention.float().numpy())) for f in feats])
-            if gone is not None:
-                batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
+            per_block = 4 * (feats[0].key_mean.numel() + feats[0].value_norm.numel() + feats[0].attention.numel())
+            step = max(1, MAX_PART_BYTES // per_block)
+            parts = [feats[i:i + step] for i in range(0, len(feats), step)]
+            for i, part in enumerate(parts):
+                batch = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1, blocks=[pb.BlockFeatures(
+                    block=f.block, position=f.position, age=f.age,
+                    key_mean=to_float_array(f.key_mean.float().numpy()),
+                    value_norm=to_float_array(f.value_norm.float().numpy()),
+                    attention=to_float_array(f.attention.float().numpy())) for f in part])
+                if gone is not None and i == 0:
+                    batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
+                self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),
+                                                tracestate=ctx.get("tracestate", "")))
             if self.connected:
                 self._sent_at.setdefault(rid, deque(maxlen=256)).append(
                     (max(f.block for f in feats) + 1, time.monotonic()))
-            self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),
-                                            tracestate=ctx.get("tracestate", "")))
             self.stats["features_sent"] += len(feats)
 
     async def _requests(self, outbox: deque, wake: asyncio.Event):

@@ -245,3 +245,53 @@ def test_decode_plans_come_once_per_plan_interval(interval, budget):
     else:
         assert decode and all(n <= interval for n in decode) and min(decode) < interval, adv.batches
         assert sum(adv.batches) <= 60 - 8 - 4 + 38
+
+
+def test_a_batch_in_parts_is_planned_once_after_its_last_part(tmp_path, manager):
+    """Parts marked `more` are folded without a plan; the last part's plan ranks
+    the whole batch, and another sequence's message after it is answered next."""
+    ckpt = tmp_path / "estimator.safetensors"
+    save(_net(1), ckpt)
+    cm = manager(str(ckpt))
+    recs = _records(30, seed=4)
+    for i, part in enumerate((recs[:10], recs[10:20], recs[20:])):
+        msg = _msg("a", part)
+        msg.features.more = i < 2
+        cm.outbox.put(msg)
+    cm.outbox.put(_msg("b", _records(5, seed=5)))
+    first, second = next(cm.replies), next(cm.replies)
+    assert first.plan.request_id == "a" and first.plan.covers == 31, first.plan
+    assert np.array_equal(from_int_array(first.plan.evict), Planner(model=_net(1)).apply("a", recs).evict)
+    assert second.plan.request_id == "b"
+
+
+def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, manager):
+    """A 512-token chunk of 1-token blocks on a 30-layer, 3-kv-head, d=64 model is
+    ~12 MB of features: the client sends it in parts under the cache-manager's
+    default 4 MB limit, and a plan comes back on the same stream (before, the
+    stream broke with RESOURCE_EXHAUSTED and every plan fell back)."""
+    import asyncio
+    import threading
+
+    from services.compute.advisor_client import AdvisorClient
+
+    cm = manager("none")
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    client = AdvisorClient(f"127.0.0.1:{cm.port}", loop)
+    loop.call_soon_threadsafe(client.start)
+    try:
+        _wait(lambda: client.connected, 30, "the advisor stream")
+        rng = np.random.default_rng(0)
+        feats = [BlockFeatures("big", b, b, torch.from_numpy(rng.normal(size=(30, 3, 64)).astype(np.float32)),
+                               torch.ones(30, 3), torch.from_numpy(rng.random((30, 3)).astype(np.float32)), 600 - b)
+                 for b in range(4, 516)]
+        client.submit(feats)
+        plans = {}
+        _wait(lambda: plans.update(client.take_plans()) or "big" in plans, 60, "the plan")
+        assert plans["big"].covers == 516 and plans["big"].evict.shape[:2] == (30, 3)
+        assert client.stats["reconnects"] == 0 and client.connected
+        assert "RESOURCE_EXHAUSTED" not in cm.log.read_text()
+    finally:
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
