@@ -112,6 +112,8 @@ class AdvisorClient:
             per_block = 4 * (feats[0].key_mean.numel() + feats[0].value_norm.numel() + feats[0].attention.numel())
             step = max(1, MAX_PART_BYTES // per_block)
             parts = [feats[i:i + step] for i in range(0, len(feats), step)]
+            if gone is not None and 4 * gone.numel() + per_block * len(parts[0]) > MAX_PART_BYTES:
+                parts.insert(0, [])     # a long context's evicted-block list travels in a part of its own
             for i, part in enumerate(parts):
                 batch = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1, blocks=[pb.BlockFeatures(
                     block=f.block, position=f.position, age=f.age,

@@ -290,6 +290,18 @@ def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, m
         plans = {}
         _wait(lambda: plans.update(client.take_plans()) or "big" in plans, 60, "the plan")
         assert plans["big"].covers == 516 and plans["big"].evict.shape[:2] == (30, 3)
+        # Then 512 more blocks with a long list of what the rows evicted (2.9 MB by itself).
+        gone = torch.full((30, 3, 8000), -1, dtype=torch.int32)
+        gone[:, :, :400] = torch.arange(4, 404, dtype=torch.int32)
+        more = [BlockFeatures("big", b, b, torch.from_numpy(rng.normal(size=(30, 3, 64)).astype(np.float32)),
+                              torch.ones(30, 3), torch.ones(30, 3), 1100 - b) for b in range(516, 1028)]
+        client.submit(more, gone)
+        plans = {}
+        _wait(lambda: plans.update(client.take_plans()) or "big" in plans, 60, "the second plan")
+        assert plans["big"].covers == 1028
+        # The evicted-block list arrived: those blocks are ranked after every block the rows hold.
+        named = plans["big"].evict[0, 0].tolist()
+        assert not set(named[:600]) & set(range(4, 404)) and set(named[-400:]) == set(range(4, 404))
         assert client.stats["reconnects"] == 0 and client.connected
         assert "RESOURCE_EXHAUSTED" not in cm.log.read_text()
     finally:
