@@ -12,7 +12,8 @@ target reads (memory O(chunk x T), not O(T^2): 8k-token traces fit). Per block:
   the G query heads (the engine's block mass), key_mean / value_norm of the
   post-RoPE keys / values, position, age;
 - at sampled decision times t (the steps at which features arrive, when the
-  cache-manager re-plans), the target of every known block = the attention
+  cache-manager re-plans; with ``every_step`` every decode step, knowing the
+  blocks sent so far), the target of every known block = the attention
   mass it receives from the next ``horizon`` queries, averaged over those
   queries per query head (``target="mean"``, KVpop) or their peak
   (``"max"``), then the max over the G heads of its kv-head.
@@ -39,6 +40,8 @@ class TraceConfig:
     target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)
     decode_only: bool = False    # the horizon counts generated positions only (what decoding will need)
     plan_interval: int = 1       # tokens: compute's plan interval (decode features go in batches this long)
+    every_step: bool = False     # decode decisions at every step, not only where features arrive
+    answer_weight: float = 0.0   # "mean" target + this x the mean over the continuation's queries alone
 
 
 def step_ends(prompt_len: int, total: int, prefill_chunk: int) -> list[int]:
@@ -141,6 +144,10 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     times = sorted({int(t) for t in t_sub[known] if t < T})
     chunk_ends = [t for t in times if t <= prompt_len]
     rest = [t for t in times if t > prompt_len]
+    if cfg.every_step and times:
+        # Every decode step, each with the blocks sent so far (features still
+        # arrive in plan-interval batches): more decisions per trace.
+        rest = [t for t in ends if t > prompt_len and times[0] <= t < T]
     pick = chunk_ends + sorted(rng.sample(rest, min(len(rest), max(0, cfg.snapshots - len(chunk_ends)))))
     if not pick:
         return None
@@ -152,11 +159,14 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     targets = [np.zeros((L, Hkv, k), np.float32) for k in nk]
     blocks = torch.as_tensor(known)
     # The future each decision is judged on: queries [s0, e).
-    windows = []
+    windows, answer = [], []
     for t in pick:
         s0 = max(t, prompt_len) if cfg.decode_only else t
         windows.append((s0, min(T, s0 + cfg.horizon)))
-    need = {int(t) for t in t_sub[known]} | {w for win in windows for w in win}
+        answer.append((max(t, prompt_len), windows[-1][1]))     # the continuation's queries in that window
+    weigh = cfg.answer_weight > 0 and cfg.target == "mean"
+    need = ({int(t) for t in t_sub[known]} | {w for win in windows for w in win}
+            | ({w for win in answer for w in win} if weigh else set()))
     sums: dict[int, _PrefixSums] = {}
 
     def on_chunk(layer, s, mass):
@@ -180,6 +190,9 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
                 fut = ps.peak[i][:, blocks[:k_]]
             else:
                 fut = (ps.at[e][:, blocks[:k_]] - ps.at[s0][:, blocks[:k_]]) / (e - s0)   # [Hq, k]
+                a0, a1 = answer[i]
+                if weigh and a0 < a1:
+                    fut = fut + cfg.answer_weight * (ps.at[a1][:, blocks[:k_]] - ps.at[a0][:, blocks[:k_]]) / (a1 - a0)
             targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
 
     rec = ChunkRecorder(on_chunk, on_layer, cfg.query_chunk, bs, nblocks)

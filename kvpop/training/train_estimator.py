@@ -51,9 +51,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="aggregate of a block's attention over the horizon's queries")
     p.add_argument("--decode-only", action="store_true",
                    help="targets count only generated positions' attention (not the rest of the prompt)")
+    p.add_argument("--answer-weight", type=float, default=0.0, metavar="W",
+                   help="mean targets add W x the mean attention from the continuation's queries alone (the "
+                        "answer): weights what the answer needs at the prompt's earlier chunk ends")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="compute's plan interval in tokens (decode features are sent in batches this long)")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
+    p.add_argument("--every-step", action="store_true",
+                   help="decode-time decisions at every decode step (each knowing the blocks sent so far), "
+                        "not only at the steps where features arrive (one in --plan-interval)")
     p.add_argument("--min-len", type=int, default=256, help="shortest traced prompt")
     p.add_argument("--max-len", type=int, default=1280, help="longest traced prompt")
     p.add_argument("--d-model", type=int, default=32)
@@ -333,7 +339,8 @@ def run(args) -> int:
         print(f"loaded {len(data)} traces from {cache}")
     else:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
-                              target=args.target, decode_only=args.decode_only, plan_interval=args.plan_interval)
+                              target=args.target, decode_only=args.decode_only, plan_interval=args.plan_interval,
+                              every_step=args.every_step, answer_weight=args.answer_weight)
                    for b in bss for r in recents]
         if args.prompts or args.suite == "real":
             from kvpop.training.traces import prompt_file_traces, real_traces
@@ -381,7 +388,9 @@ def run(args) -> int:
     ev = evaluate(net, val_data)
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
-                   "target": args.target, "decode_only": args.decode_only, "held_out": ev}
+                   "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
+                   "answer_weight": args.answer_weight,
+                   "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
                                "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean")}

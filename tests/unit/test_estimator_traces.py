@@ -92,6 +92,70 @@ def test_targets_and_features_match_a_naive_dense_computation(target):
                     assert abs(tgt[l, h, j] - want) < 1e-5
 
 
+def test_every_step_decides_at_each_decode_step_with_the_blocks_sent_so_far():
+    """`--every-step`: at plan interval 8 a decode decision at every step, not
+    one in 8; each knows only the blocks sent so far (features still arrive in
+    batches), the features are those of the plain trace, and every target is
+    the naive dense one from that step on."""
+    model = tiny_model(seed=3)
+    ids = random_prompt(45, seed=1)
+    P = 30
+    kw = dict(block_size=4, sink=4, recent=8, horizon=6, prefill_chunk=16, snapshots=50, query_chunk=7,
+              plan_interval=8)
+    plain = trace(model, ids, P, TraceConfig(**kw), random.Random(0))
+    ex = trace(model, ids, P, TraceConfig(**kw, every_step=True), random.Random(0))
+    for f in ("block", "position", "age", "attention", "key_mean", "value_norm"):
+        assert np.array_equal(ex[f], plain[f])
+    T = len(ids)
+    assert ex["times"].tolist() == [16, 30] + list(range(P + 1, T))
+    assert set(plain["times"].tolist()) < set(ex["times"].tolist())
+    sent = ex["position"] + ex["age"]                 # the step at which each block was sent
+    decode_known = []
+    for t, k in zip(ex["times"], ex["known"]):
+        assert k == int((sent <= t).sum())
+        if t > P:
+            decode_known.append(int(k))
+    # Batches of the plan interval: the known set grows at a few steps only.
+    assert len(set(decode_known)) < len(decode_known) / 2
+    probs, _, _, _ = _naive(model, ids)
+    L, Hq = probs.shape[:2]
+    Hkv = ex["targets"][0].shape[1]
+    G = Hq // Hkv
+    for t, k, tgt in zip(ex["times"], ex["known"], ex["targets"]):
+        e = min(T, t + 6)
+        for j, b in enumerate(ex["block"][:k]):
+            cols = slice(b * 4, (b + 1) * 4)
+            for l in range(L):
+                for h in range(Hkv):
+                    want = float(probs[l, h * G:(h + 1) * G, t:e, cols].sum(-1).mean(1).max())
+                    assert abs(tgt[l, h, j] - want) < 1e-5
+
+
+def test_answer_weight_adds_the_continuations_mean_attention():
+    """`--answer-weight W`: the mean target plus W x the mean over the
+    continuation's queries only; from the prompt's end on both windows are the same."""
+    model = tiny_model(seed=3)
+    ids = random_prompt(45, seed=1)
+    P, w = 30, 0.5
+    cfg = TraceConfig(block_size=4, sink=4, recent=8, horizon=1024, prefill_chunk=16, snapshots=50, query_chunk=7,
+                      answer_weight=w)
+    ex = trace(model, ids, P, cfg, random.Random(0))
+    probs, _, _, _ = _naive(model, ids)
+    L, Hq, T = probs.shape[:3]
+    Hkv = ex["targets"][0].shape[1]
+    G = Hq // Hkv
+    assert ex["times"].tolist()[0] == 16 < P
+    for t, k, tgt in zip(ex["times"], ex["known"], ex["targets"]):
+        for j, b in enumerate(ex["block"][:k]):
+            cols = slice(b * 4, (b + 1) * 4)
+            for l in range(L):
+                for h in range(Hkv):
+                    heads = slice(h * G, (h + 1) * G)
+                    fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
+                    fut = fut + w * probs[l, heads, max(t, P):T, cols].sum(-1).mean(1)
+                    assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
+
+
 @pytest.mark.parametrize("interval", [1, 12])
 def test_trace_features_are_what_the_engine_streams(interval):
     model = tiny_model(seed=5)
