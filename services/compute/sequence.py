@@ -208,16 +208,17 @@ def _gather_columns(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t.gather(2, idx if t.dim() == 3 else idx[..., None].expand(*idx.shape, t.shape[3]))
 
 
-def _set_columns(seqs: list[Sequence], joint, alone) -> None:
+def _set_columns(seqs: list[Sequence], joint, alone, together: bool | None = None) -> None:
     """Give every column field of ``seqs`` its new value: ``joint(name, ts)``
     builds all sequences' in one tensor and returns one view per sequence;
     ``alone(name, i, t)`` builds sequence ``i``'s by itself, for a single
-    sequence or fields whose trailing sizes differ (a policy's own window
-    length). Joint views keep their base alive: ``own_columns`` copies them
-    out for a sequence kept long."""
+    sequence (unless ``together``) or fields whose trailing sizes differ (a
+    policy's own window length). Joint views keep their base alive:
+    ``own_columns`` copies them out for a sequence kept long."""
+    together = len(seqs) > 1 if together is None else together
     for name in COLUMN_FIELDS:
         ts = [getattr(s, name) for s in seqs]
-        if len(ts) > 1 and all(t.shape[3:] == ts[0].shape[3:] for t in ts):
+        if together and all(t.shape[3:] == ts[0].shape[3:] for t in ts):
             parts = joint(name, ts)
         else:
             parts = [alone(name, i, t) for i, t in enumerate(ts)]
@@ -268,29 +269,33 @@ def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: 
     after theirs) and split back. Rebuilding dense sequences at every step
     copied all their columns each step (13 of a 23 ms step for 14 dense
     1k-token sequences at block size 1)."""
-    dev = seqs[0].page_table.device
-    L, H = seqs[0].page_table.shape[:2]
     kl = [p.shape[2] for p in pages]
-    # Sizes are known on the host (and given as output sizes): no device value is read.
+    fits = [all(_room(s, name) >= k for name in COLUMN_FIELDS) for s, k in zip(seqs, kl)]
+    for group, append in (([i for i, f in enumerate(fits) if f], _append_in_place),
+                          ([i for i, f in enumerate(fits) if not f], _append_rebuilt)):
+        if group:
+            append([seqs[i] for i in group], *_new_columns([pages[i] for i in group],
+                                                          [first_block[i] for i in group], seqs[0].page_table.device))
+
+
+def _new_columns(pages: list[torch.Tensor], first_block: list[int], dev) -> tuple[list[int], dict]:
+    """(blocks per sequence, {field: [L, Hkv, sum k]}) of the new columns that
+    are not zeros: page numbers and block numbers, every sequence's side by
+    side. Sizes come from the host (and are given as output sizes): no device
+    value is read."""
+    pages = [p.to(dev) for p in pages]
+    L, H = pages[0].shape[:2]
+    kl = [p.shape[2] for p in pages]
     n_new = sum(kl)
     k_before = torch.tensor(list(itertools.accumulate(kl[:-1], initial=0)), device=dev)
-    ks = torch.tensor(kl, device=dev)
-    firsts = torch.tensor(first_block, device=dev)
-    new_index = torch.arange(n_new, device=dev) + torch.repeat_interleave(firsts - k_before, ks, output_size=n_new)
-    new = {"page_table": [p.to(dev) for p in pages],
-           "block_index": [b.expand(L, H, -1) for b in new_index.to(torch.int32).split(kl)]}
-    fits = [all(_room(s, name) >= k for name in COLUMN_FIELDS) for s, k in zip(seqs, kl)]
-    here = [i for i, f in enumerate(fits) if f]
-    if here:
-        _append_in_place([seqs[i] for i in here], [kl[i] for i in here],
-                         {name: [v[i] for i in here] for name, v in new.items()})
-    rest = [i for i, f in enumerate(fits) if not f]
-    if rest:
-        _append_rebuilt([seqs[i] for i in rest], [kl[i] for i in rest],
-                        {name: [v[i] for i in rest] for name, v in new.items()})
+    index = torch.arange(n_new, device=dev) + torch.repeat_interleave(
+        torch.tensor(first_block, device=dev) - k_before, torch.tensor(kl, device=dev), output_size=n_new)
+    return kl, {"page_table": torch.cat(pages, 2) if len(pages) > 1 else pages[0],
+                "block_index": index.to(torch.int32).expand(L, H, -1)}
 
 
 def _append_in_place(seqs: list[Sequence], kl: list[int], new: dict) -> None:
+    parts = {name: t.split(kl, 2) for name, t in new.items()}
     zero, dst, src = [], [], []
     for i, (s, k) in enumerate(zip(seqs, kl)):
         for name in COLUMN_FIELDS:
@@ -299,7 +304,7 @@ def _append_in_place(seqs: list[Sequence], kl: list[int], new: dict) -> None:
             wider = t.as_strided(t.shape[:2] + (n + k,) + t.shape[3:], t.stride(), t.storage_offset())
             if name in new:
                 dst.append(wider[:, :, n:])
-                src.append(new[name][i].to(t.dtype))
+                src.append(parts[name][i].to(t.dtype))
             else:
                 zero.append(wider[:, :, n:])
             s.room[name] = (wider, s.room[name][1] - k)
@@ -314,16 +319,9 @@ def _append_rebuilt(seqs: list[Sequence], kl: list[int], new: dict) -> None:
     nbs = [s.num_blocks for s in seqs]
     sizes = [n + k for n, k in zip(nbs, kl)]
     room = [min(max(MIN_ROOM, n), MAX_ROOM) if _grows(s) else 0 for s, n in zip(seqs, sizes)]
-    if len(seqs) == 1 and not room[0]:
-        for name in COLUMN_FIELDS:
-            t = getattr(seqs[0], name)
-            add = new[name][0] if name in new else t.new_zeros(t.shape[:2] + (kl[0],) + t.shape[3:])
-            setattr(seqs[0], name, torch.cat([t, add.to(t.dtype)], 2))
-        return
     spans = [n + r for n, r in zip(sizes, room)]
     n_old, n_new = sum(nbs), sum(kl)
-    # Where each sequence's old columns and new ones land in the joined layout
-    # (built on the device from host sizes: no device value is read).
+    # Where each sequence's old columns and new ones land in the joined layout.
     starts = torch.tensor(list(itertools.accumulate(spans[:-1], initial=0)), device=dev)
     old, ks = torch.tensor(nbs, device=dev), torch.tensor(kl, device=dev)
     old_before = torch.tensor(list(itertools.accumulate(nbs[:-1], initial=0)), device=dev)
@@ -331,20 +329,22 @@ def _append_rebuilt(seqs: list[Sequence], kl: list[int], new: dict) -> None:
     to_old = torch.arange(n_old, device=dev) + torch.repeat_interleave(starts - old_before, old, output_size=n_old)
     to_new = torch.arange(n_new, device=dev) + torch.repeat_interleave(starts + old - k_before, ks,
                                                                        output_size=n_new)
-    for name in COLUMN_FIELDS:
-        ts = [getattr(s, name) for s in seqs]
-        if not all(t.shape[3:] == ts[0].shape[3:] for t in ts):   # a policy's own window length
-            for s, t, k, r, i in zip(seqs, ts, kl, room, range(len(seqs))):
-                add = new[name][i] if name in new else t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])
-                setattr(s, name, torch.cat([t, add.to(t.dtype)], 2))
-                s.room.pop(name, None)
-            continue
+
+    def joint(name, ts):
         out = ts[0].new_zeros((L, H, sum(spans)) + ts[0].shape[3:])
         if n_old:
-            out.index_copy_(2, to_old, torch.cat(ts, 2))
+            out.index_copy_(2, to_old, torch.cat(ts, 2) if len(ts) > 1 else ts[0])
         if name in new:
-            out.index_copy_(2, to_new, torch.cat(new[name], 2).to(out.dtype))
-        for s, part, size, r in zip(seqs, out.split(spans, 2), sizes, room):
-            view = part[:, :, :size]
-            setattr(s, name, view)
+            out.index_copy_(2, to_new, new[name].to(out.dtype))
+        views = [part[:, :, :size] for part, size in zip(out.split(spans, 2), sizes)]
+        for s, view, r in zip(seqs, views, room):
             s.room[name] = (view, r)
+        return views
+
+    def alone(name, i, t):
+        seqs[i].room.pop(name, None)
+        add = new[name].split(kl, 2)[i] if name in new else t.new_zeros(t.shape[:2] + (kl[i],) + t.shape[3:])
+        return torch.cat([t, add.to(t.dtype)], 2)
+
+    # One growing sequence is rebuilt jointly too: that is where its spare columns come from.
+    _set_columns(seqs, joint, alone, together=len(seqs) > 1 or room[0] > 0)
