@@ -120,35 +120,29 @@ def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
 def real_workload(model_dir: str, n: int, seed: int, lengths: list[int], families: list[str]):
     """n real-text chats, families and lengths in turn (the eval's test sets: seeds no training draws)."""
     from kvpop.tasks import ruler
-    from services.compute.model_config import ModelConfig
     from services.compute.tokenizer import Tokenizer
     unknown = sorted(set(families) - set(ruler.FAMILIES))
     if unknown:
         raise ValueError(f"unknown --tasks {unknown}; real-text families are {', '.join(ruler.FAMILIES)}")
-    limit = ModelConfig.from_hf(Path(model_dir) / "config.json").max_position_embeddings - 64
     per = math.ceil(n / (len(families) * len(lengths)))
-    insts = ruler.test_set(Tokenizer(model_dir), per, lengths, families, seed, limit)
+    insts = ruler.test_set(Tokenizer(model_dir), per, lengths, families, seed, ruler.prompt_limit(model_dir))
     random.Random(seed).shuffle(insts)
     return insts[:n]
 
 
-def correct(inst, text: str) -> bool:
-    from kvpop.tasks.checker import is_correct
-    return inst.check(text) if hasattr(inst, "check") else is_correct(inst, text)
-
-
 def make_request(pb, inst, policy: str, budget: float, new_tokens: int, sink: int, recent: int):
     """The request for one instance: a chat when it has messages, `+after` as evict_after_prompt."""
-    after = policy.endswith("+after")
-    req = request(pb, inst.prompt, policy.removesuffix("+after"), budget, new_tokens,
+    from kvpop.evaluation.harness import AFTER, after_prompt
+    req = request(pb, inst.prompt, policy.removesuffix(AFTER), budget, new_tokens,
                   messages=getattr(inst, "messages", None))
     req.sink_tokens, req.recent_tokens = sink, recent
-    req.evict_after_prompt = after
+    req.evict_after_prompt = after_prompt(policy)
     return req
 
 
 def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
             sink: int = 4, recent: int = 8, new_tokens: int = 256, security=None) -> dict:
+    from kvpop.tasks.checker import is_correct
     rng = random.Random(seed)
     streams = []
     t0 = time.perf_counter()
@@ -182,7 +176,7 @@ def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: s
         "peak_running": peaks.running, "peak_pages": peaks.pages,
         "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
         "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
-        "accuracy": round(sum(correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
+        "accuracy": round(sum(is_correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
         "_ttft": ttft, "_itl": itl,
     }
 

@@ -45,7 +45,7 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
     import torch
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
-    from kvpop.bench_serve import correct
+    from kvpop.tasks.checker import is_correct
     from services.compute.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
@@ -91,6 +91,6 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
         "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
         "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
         "peak_running": peak, "peak_pages": 0, "network_share": None,
-        "accuracy": round(sum(correct(inst, t) for inst, t in zip(insts, texts)) / len(insts), 4),
+        "accuracy": round(sum(is_correct(inst, t) for inst, t in zip(insts, texts)) / len(insts), 4),
         "_ttft": ttft, "_itl": itl,
     }

@@ -12,7 +12,6 @@ from kvpop.model_store import model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
-ANSWER_ROOM = 64   # real-suite prompts leave this much of the context for the answer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,10 +144,10 @@ def test_instances(args, families: list[str]):
         from services.compute.tokenizer import Tokenizer
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
         n = 1 if args.quick else args.n
-        from services.compute.model_config import ModelConfig
-        limit = ModelConfig.from_hf(Path(args.model) / "config.json").max_position_embeddings - ANSWER_ROOM
+        limit = ruler.prompt_limit(args.model)
         if max(lengths) > limit:
-            print(f"prompts are capped at {limit} tokens: the model's context less {ANSWER_ROOM} for the answer")
+            print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
+                  f"for the answer")
         insts = ruler.test_set(Tokenizer(args.model), n, lengths, families, args.seed, limit)
         return insts, min(lengths), max(lengths), n
     n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN

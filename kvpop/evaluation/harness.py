@@ -154,7 +154,7 @@ class Harness:
                     # Real-text instances bring their model's decoder and their own scoring.
                     o.text = inst.decode(toks) if hasattr(inst, "decode") else decode_ids(toks)
                     o.generated = len(toks)
-                    o.correct = inst.check(o.text) if hasattr(inst, "check") else is_correct(inst, o.text)
+                    o.correct = is_correct(inst, o.text)
         bar.close()
         return outcomes
 

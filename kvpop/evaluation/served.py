@@ -60,7 +60,7 @@ class ServedHarness:
                 usage = msg.finished.usage
         o.text = "".join(text)
         o.generated = ids
-        o.correct = o.instance.check(o.text) if hasattr(o.instance, "check") else is_correct(o.instance, o.text)
+        o.correct = is_correct(o.instance, o.text)
         if usage is not None:
             with self._lock:
                 d = self.decisions.setdefault((o.setting.policy, o.setting.compression), {})

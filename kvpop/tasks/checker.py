@@ -24,5 +24,9 @@ def extract_answer(family: str, generated: str) -> str | None:
 
 
 def is_correct(instance: Instance, generated: str) -> bool:
+    """Exact match of the task's answer; an instance with its own scoring
+    (real-text retrieval: every expected value contained) uses that."""
+    if hasattr(instance, "check"):
+        return instance.check(generated)
     got = extract_answer(instance.family, generated)
     return got is not None and got == instance.answer

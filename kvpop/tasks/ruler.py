@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 FAMILIES = ("needle", "multikey", "multivalue", "vartrack")
+ANSWER_ROOM = 64   # a prompt leaves this much of the model's context for the answer
 
 _SUBJECTS = ["The river", "A small village", "The old library", "Our neighbour", "The morning train", "A gardener",
              "The committee", "The lighthouse keeper", "A young painter", "The market", "The museum guide",
@@ -144,6 +146,12 @@ def generate(family: str, seed: int, length: int, tokenizer, limit: int | None =
     sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
     return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
                         prompt_ids=ids, solution_ids=sol, decoder=tokenizer, length=length)
+
+
+def prompt_limit(model_dir) -> int:
+    """Longest prompt for the model: its context less ANSWER_ROOM for the answer."""
+    from services.compute.model_config import ModelConfig
+    return ModelConfig.from_hf(Path(model_dir) / "config.json").max_position_embeddings - ANSWER_ROOM
 
 
 def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,

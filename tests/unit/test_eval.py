@@ -207,3 +207,13 @@ def test_recent_share_variant_gives_half_the_budget_to_recent_tokens(tiny_dir):
     assert a.eviction.policy == b.eviction.policy == "h2o" and plain.budget == half.budget
     assert a.eviction.recent == h.recent
     assert b.eviction.recent == half.budget // 2 > h.recent
+
+
+def test_is_correct_scores_real_text_by_containment():
+    """One scoring entry point for both suites: a real-text instance is right when
+    every expected value appears anywhere in the text, a task instance by its
+    extracted answer."""
+    from kvpop.tasks.ruler import TextInstance
+    inst = TextInstance("multivalue", 1, [{"role": "user", "content": "x"}], ["4711", "815"], "4711, 815")
+    assert is_correct(inst, "The values are 815 and 4711.")
+    assert not is_correct(inst, "The value is 4711.")
