@@ -89,7 +89,8 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     from services.compute.model_config import ModelConfig
     from services.compute.tokenizer import Tokenizer
     mc = ModelConfig.from_hf(model_dir)
-    prompts = [Tokenizer(model_dir).encode(inst.prompt) for inst in workload(n, 0)]
+    tok = Tokenizer(model_dir)
+    prompts = [tok.encode(inst.prompt) for inst in workload(n, 0)]
     # Prompts are prefilled a chunk per step while the first ones already decode:
     # every sequence must outlast all prefills, the warm-up and both measured passes.
     prefill_steps = -(-sum(map(len, prompts)) // 512) + n
@@ -98,7 +99,8 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     pages = sum(-(-(len(p) + max_tokens) // args.block_size) + 1 for p in prompts) \
         * mc.num_layers * mc.num_kv_heads
     eng = LLMEngine(EngineConfig(model_dir, block_size=args.block_size, device=device, num_pages=pages,
-                                 max_num_seqs=max(256, n), cleanup_threshold=float("inf")), advisor=advisor)
+                                 max_num_seqs=max(256, n), cleanup_threshold=float("inf")), advisor=advisor,
+                    tokenizer=tok)
     assert eng.config.prefill_chunk == 512, eng.config.prefill_chunk
     for i, ids in enumerate(prompts):
         eng.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
