@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
+    p.add_argument("--device", default="cpu", help="in process: where the model runs (cpu, cuda or auto)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
     p.add_argument("--via", metavar="HOST:PORT",
                    help="run the prompts through a running gateway (e.g. `kvpop up`) instead of in process; "
@@ -103,13 +104,20 @@ def run(args) -> int:
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(model_dir)
         print(f"learned: {advisor.planner.loaded}")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: this torch sees no CUDA device")
+        return 2
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     # No cleanup: a request that does not fit the pool waits; it never
     # shrinks running budgets (cleanup would silently evaluate a higher compression
     # than asked: on SmolLM2, 90 rows fill the default pool and it did).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                     max_model_len=max(4096, longest), prefill_chunk=512,
-                                    cleanup_threshold=float("inf"), plan_interval=args.plan_interval),
+                                    cleanup_threshold=float("inf"), plan_interval=args.plan_interval,
+                                    device=device),
                        advisor=advisor)
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
@@ -127,7 +135,7 @@ def run(args) -> int:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": args.seed,
-            "block_size": args.block_size, "plan_interval": args.plan_interval, "sink": args.sink, "recent": args.recent,
+            "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval, "sink": args.sink, "recent": args.recent,
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta)

@@ -86,8 +86,8 @@ class ChunkRecorder:
         G = Hq // Hkv
         scale = 1.0 / math.sqrt(d)
         kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)            # [Hkv, T, d]
-        out = torch.empty(T, Hq, d)
-        pos = torch.arange(T)
+        out = torch.empty(T, Hq, d, device=q.device)
+        pos = torch.arange(T, device=q.device)
         span = self.nblocks * self.bs
         for s in range(0, T, self.chunk):
             e = min(T, s + self.chunk)
@@ -107,12 +107,12 @@ class _PrefixSums:
     asked for, and per window (only those asked for: the "max" target) the
     peak over its queries, from chunks in query order."""
 
-    def __init__(self, Hq: int, nblocks: int, times: set[int], windows: list[tuple[int, int]]):
-        self.colsum = torch.zeros(Hq, nblocks)
+    def __init__(self, Hq: int, nblocks: int, times: set[int], windows: list[tuple[int, int]], device="cpu"):
+        self.colsum = torch.zeros(Hq, nblocks, device=device)
         self.times = sorted(times)
-        self.at = {t: torch.zeros(Hq, nblocks) for t in self.times if t == 0}
+        self.at = {t: torch.zeros(Hq, nblocks, device=device) for t in self.times if t == 0}
         self.windows = windows
-        self.peak = [torch.zeros(Hq, nblocks) for _ in windows]
+        self.peak = [torch.zeros(Hq, nblocks, device=device) for _ in windows]
 
     def add(self, s: int, mass: torch.Tensor) -> None:
         e = s + mass.shape[1]
@@ -171,29 +171,31 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
 
     def on_chunk(layer, s, mass):
         if layer not in sums:
-            sums[layer] = _PrefixSums(Hq, nblocks, need, windows if cfg.target == "max" else [])
+            sums[layer] = _PrefixSums(Hq, nblocks, need, windows if cfg.target == "max" else [], mass.device)
         sums[layer].add(s, mass)
 
     def on_layer(layer, k, v):
         ps = sums.pop(layer)
         # Features at submission: the engine averages block mass over the G heads.
-        sub = torch.zeros(Hq, len(known))
+        dev = k.device
+        sub = torch.zeros(Hq, len(known), device=dev)
         for t in np.unique(t_sub[known]):
             j = np.nonzero(t_sub[known] == t)[0]
-            sub[:, j] = ps.at[int(t)][:, known[j]]
-        att[:, layer] = sub.view(Hkv, G, -1).mean(1).T.numpy()
-        kb = k[: nblocks * bs].view(nblocks, bs, Hkv, d).mean(1)[blocks]        # [nknown, Hkv, d]
-        vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[blocks]
-        km[:, layer], vn[:, layer] = kb.numpy(), vb.numpy()
+            sub[:, torch.as_tensor(j, device=dev)] = ps.at[int(t)][:, torch.as_tensor(known[j], device=dev)]
+        att[:, layer] = sub.view(Hkv, G, -1).mean(1).T.cpu().numpy()
+        on = blocks.to(dev)
+        kb = k[: nblocks * bs].view(nblocks, bs, Hkv, d).mean(1)[on]        # [nknown, Hkv, d]
+        vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[on]
+        km[:, layer], vn[:, layer] = kb.cpu().numpy(), vb.cpu().numpy()
         for i, ((s0, e), k_) in enumerate(zip(windows, nk)):
             if cfg.target == "max":
-                fut = ps.peak[i][:, blocks[:k_]]
+                fut = ps.peak[i][:, on[:k_]]
             else:
-                fut = (ps.at[e][:, blocks[:k_]] - ps.at[s0][:, blocks[:k_]]) / (e - s0)   # [Hq, k]
+                fut = (ps.at[e][:, on[:k_]] - ps.at[s0][:, on[:k_]]) / (e - s0)   # [Hq, k]
                 a0, a1 = answer[i]
                 if weigh and a0 < a1:
-                    fut = fut + cfg.answer_weight * (ps.at[a1][:, blocks[:k_]] - ps.at[a0][:, blocks[:k_]]) / (a1 - a0)
-            targets[i][layer] = fut.view(Hkv, G, k_).amax(1).numpy()
+                    fut = fut + cfg.answer_weight * (ps.at[a1][:, on[:k_]] - ps.at[a0][:, on[:k_]]) / (a1 - a0)
+            targets[i][layer] = fut.view(Hkv, G, k_).amax(1).cpu().numpy()
 
     rec = ChunkRecorder(on_chunk, on_layer, cfg.query_chunk, bs, nblocks)
     x = torch.as_tensor(ids, dtype=torch.long, device=model.device)
@@ -208,7 +210,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
 
 
 def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 256,
-                max_len: int = 1280, progress: bool = True) -> list[dict]:
+                max_len: int = 1280, progress: bool = True, seconds: float | None = None) -> list[dict]:
     """Traces of ``n`` task instances from the TRAIN seed range (every family in
     turn), each with one (block size, recent) setting drawn from ``cfg_choices``."""
     from kvpop.tasks import FAMILIES
@@ -221,7 +223,7 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
         for i in range(n):
             inst = train_instance(fams[i % len(fams)], rng.randrange(1_000_000_000), rng.randint(min_len, max_len), rng)
             yield inst.family, inst.prompt_ids, inst.solution_ids, inst.depends   # depends: prompt positions the answer needs
-    return _trace_all(model, items(), cfg_choices, rng, progress, "traces", n)
+    return _trace_all(model, items(), cfg_choices, rng, progress, "traces", n, seconds)
 
 
 # Real-text instances for training come from seeds no test set uses (test sets
@@ -229,13 +231,20 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
 REAL_TRAIN_SEED_BASE = 1_000_000_000
 
 
-def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total: int | None = None) -> list[dict]:
-    """items: iterable of (family, prompt ids, continuation ids, depends) -> traces."""
+def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total: int | None = None,
+               seconds: float | None = None) -> list[dict]:
+    """items: iterable of (family, prompt ids, continuation ids, depends) -> traces;
+    with ``seconds``, what is traced by then (a budget on a machine lent for minutes)."""
+    import time
+
     from tqdm import tqdm
 
-    out = []
+    out, t0 = [], time.monotonic()
     for fam, prompt, cont, deps in tqdm(items, desc=desc, total=total, disable=not progress, dynamic_ncols=True,
                                         mininterval=2):
+        if seconds is not None and time.monotonic() - t0 > seconds:
+            print(f"trace budget of {seconds:.0f} s spent: {len(out)} traces")
+            break
         ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng)
         if ex is not None:
             ex["family"] = fam
@@ -246,7 +255,7 @@ def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total:
 
 
 def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 512,
-                max_len: int = 2048, progress: bool = True) -> list[dict]:
+                max_len: int = 2048, progress: bool = True, seconds: float | None = None) -> list[dict]:
     """Traces of ``n`` real-text retrieval instances (kvpop/tasks/ruler.py, every
     family in turn, from training seeds), chat-rendered for ``model``'s
     template, each the prompt followed by the reference answer."""
@@ -260,7 +269,7 @@ def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: 
             inst = ruler.generate(fams[i % len(fams)], REAL_TRAIN_SEED_BASE + seed * 1_000_000 + i,
                                   rng.randint(min_len, max_len), tokenizer)
             yield inst.family, inst.prompt_ids, inst.solution_ids, None
-    return _trace_all(model, items(), cfg_choices, rng, progress, "real-text traces", n)
+    return _trace_all(model, items(), cfg_choices, rng, progress, "real-text traces", n, seconds)
 
 
 def prompt_file_traces(model, tokenizer, path, cfg_choices: list[TraceConfig], seed: int = 0,

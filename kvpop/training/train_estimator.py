@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", default=None, help="cache file: loaded if it exists, else written after tracing")
     p.add_argument("--trace-only", action="store_true",
                    help="write the --traces file and stop (trace once, train later, e.g. with several settings)")
+    p.add_argument("--held-out", type=int, default=None, metavar="K",
+                   help="sequences held out for validation (default: an eighth of the traces)")
+    p.add_argument("--device", default="cpu", help="where tracing and training run: cpu, cuda or auto")
+    p.add_argument("--trace-minutes", type=float, default=None,
+                   help="stop tracing after this long and train on what was traced (of --n at most)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -99,8 +104,8 @@ def losses(scores, target, gen=None):
     kl = (p * (p.log() - F.log_softmax(scores, -1))).sum(-1).mean()
     R, n = target.shape
     P = min(8 * n, 2048)
-    i = torch.randint(n, (R, P), generator=gen)
-    j = torch.randint(n, (R, P), generator=gen)
+    i = torch.randint(n, (R, P), generator=gen, device=target.device)
+    j = torch.randint(n, (R, P), generator=gen, device=target.device)
     ly = torch.log(target.clamp_min(0) + 1e-6)
     d = ly.gather(1, i) - ly.gather(1, j)
     w = d.abs().clamp(max=2.0)
@@ -123,7 +128,7 @@ def query_sample(target, gen, m: int = QUERY_SAMPLE):
     if n <= m:
         return None
     top = target.topk(m // 8, dim=1).indices
-    rest = torch.rand(R, n, generator=gen)
+    rest = torch.rand(R, n, generator=gen, device=target.device)
     rest.scatter_(1, top, -1.0)                       # never drawn twice
     return torch.cat([top, rest.topk(m - m // 8, dim=1).indices], 1)
 
@@ -164,6 +169,10 @@ def baselines(a: dict, now: float) -> dict[str, np.ndarray]:
             "recency": np.broadcast_to(a["position"][None, :].astype(np.float32), (L * H, n))}
 
 
+def _on(device, *xs):
+    return [x.to(device, non_blocking=True) for x in xs]
+
+
 def evaluate(model, data: list[dict]) -> dict:
     import torch
 
@@ -173,18 +182,18 @@ def evaluate(model, data: list[dict]) -> dict:
     needs: dict[str, dict[float, float]] = {}
     count, n_needed, total_loss = 0, 0, 0.0
     model.eval()
+    dev = next(model.parameters()).device
     with torch.no_grad():
         for ex in data:
             for i in range(len(ex["times"])):
                 a, now, tgt = decision(ex, i)
                 L, H = tgt.shape[:2]
-                km, sc, tf = rows_from_arrays(a, now)
-                layer, head = row_ids(L, H)
+                km, sc, tf, layer, head, y = _on(dev, *rows_from_arrays(a, now), *row_ids(L, H), as_rows(tgt))
                 s = model(km, sc, tf, layer, head)
-                y = as_rows(tgt)
-                kl, pair = losses(s, y, torch.Generator().manual_seed(i))
+                kl, pair = losses(s, y, torch.Generator(dev).manual_seed(i))
                 total_loss += float(kl + pair)
-                preds = {"learned": s.numpy(), **baselines(a, now)}
+                y = y.cpu()
+                preds = {"learned": s.cpu().numpy(), **baselines(a, now)}
                 deps = ex.get("depends")
                 needed = (np.isin(a["block"], np.unique(deps // ex["block_size"])) if deps is not None
                           else np.zeros(len(a["block"]), bool))
@@ -223,7 +232,8 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     from services.cache_manager.estimator import row_ids, rows_from_arrays
 
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(dev).manual_seed(seed)
     items = [(e, i) for e in range(len(train_data)) for i in range(len(train_data[e]["times"]))]
     if not items:
         raise ValueError("no training decisions (traces too short for the recent window?)")
@@ -247,9 +257,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         e, i = rng.choice(items)
         a, now, tgt = decision(train_data[e], i)
         L, H = tgt.shape[:2]
-        km, sc, tf = rows_from_arrays(a, now)
-        layer, head = row_ids(L, H)
-        y = as_rows(tgt)
+        km, sc, tf, layer, head, y = _on(dev, *rows_from_arrays(a, now), *row_ids(L, H), as_rows(tgt))
         q = query_sample(y, gen) if model.cfg.depth == 1 else None
         kl, pair = losses(model(km, sc, tf, layer, head, queries=q), y if q is None else y.gather(1, q), gen)
         loss = kl + pair
@@ -328,8 +336,15 @@ def run(args) -> int:
     if args.trace_only and not args.traces:
         print("--trace-only needs --traces FILE (where the traces go)")
         return 2
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"--device {args.device}: this torch sees no CUDA device")
+        return 2
+    seconds = None if args.trace_minutes is None else 60.0 * args.trace_minutes
     try:
-        lm = load_model(model_dir, dtype="float32")
+        lm = load_model(model_dir, dtype="float32", device=device)
     except ValueError as e:
         print(f"cannot load the model: {e}")
         return 2
@@ -348,12 +363,13 @@ def run(args) -> int:
             tok = Tokenizer(model_dir)
             try:
                 data = (prompt_file_traces(lm, tok, args.prompts, choices, args.seed) if args.prompts else
-                        real_traces(lm, tok, args.n, choices, args.seed, args.min_len, args.max_len))
+                        real_traces(lm, tok, args.n, choices, args.seed, args.min_len, args.max_len,
+                                    seconds=seconds))
             except (OSError, ValueError) as e:
                 print(f"cannot trace: {e}")
                 return 2
         else:
-            data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len)
+            data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len, seconds=seconds)
         if len(data) < 2:
             print(f"only {len(data)} usable traces (prompts too short for sink + recent?): need at least 2")
             return 2
@@ -362,7 +378,7 @@ def run(args) -> int:
     if args.trace_only:
         print(f"{len(data)} traces in {cache}")
         return 0
-    n_val = max(1, len(data) // 8)
+    n_val = max(1, len(data) // 8) if args.held_out is None else max(1, min(args.held_out, len(data) - 1))
     train_data, val_data = data[:-n_val], data[-n_val:]
     mc = lm.config
     if args.init:
@@ -381,6 +397,8 @@ def run(args) -> int:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth)
         net = ValueEstimator(cfg)
         prior = {}
+    del lm
+    net.to(device)
     print(f"{len(train_data)} train / {len(val_data)} held-out sequences, "
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
@@ -394,7 +412,7 @@ def run(args) -> int:
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
                                "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean")}
-    save(net, out)
+    save(net.cpu(), out)
     png = out.with_name(out.stem + "_loss.png")
     plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)
     print(json.dumps(ev["mass_at_k"], indent=1))
