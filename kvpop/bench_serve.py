@@ -120,12 +120,11 @@ def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
 def real_workload(model_dir: str, n: int, seed: int, lengths: list[int], families: list[str]):
     """n real-text chats, families and lengths in turn (the eval's test sets: seeds no training draws)."""
     from kvpop.tasks import ruler
-    from services.compute.tokenizer import Tokenizer
     unknown = sorted(set(families) - set(ruler.FAMILIES))
     if unknown:
         raise ValueError(f"unknown --tasks {unknown}; real-text families are {', '.join(ruler.FAMILIES)}")
     per = math.ceil(n / (len(families) * len(lengths)))
-    insts = ruler.test_set(Tokenizer(model_dir), per, lengths, families, seed, ruler.prompt_limit(model_dir))
+    insts = ruler.model_test_set(model_dir, per, lengths, families, seed)
     random.Random(seed).shuffle(insts)
     return insts[:n]
 

@@ -63,7 +63,6 @@ def run(args) -> int:
 
     import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
     from kvpop.tasks import ruler
-    from services.compute.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     families = list(ruler.FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",")]
@@ -75,7 +74,7 @@ def run(args) -> int:
         print(f"unknown press {', '.join(bad)}; choose from {', '.join(PRESSES)}")
         return 2
     placements = ["end", "context"] if args.question == "both" else [args.question]
-    insts = ruler.test_set(Tokenizer(args.model), args.n, lengths, families, args.seed)
+    insts = ruler.model_test_set(args.model, args.n, lengths, families, args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")

@@ -149,14 +149,13 @@ def test_instances(args, families: list[str]):
     from kvpop.tasks import suite
     if args.suite == "real":
         from kvpop.tasks import ruler
-        from services.compute.tokenizer import Tokenizer
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
         n = 1 if args.quick else args.n
         limit = ruler.prompt_limit(args.model)
         if max(lengths) > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        insts = ruler.test_set(Tokenizer(args.model), n, lengths, families, args.seed, limit)
+        insts = ruler.model_test_set(args.model, n, lengths, families, args.seed)
         return insts, min(lengths), max(lengths), n
     n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
     if args.quick:

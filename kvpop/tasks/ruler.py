@@ -162,3 +162,14 @@ def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None =
     the limit allows."""
     return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit)
             for length in lengths for fam in (families or FAMILIES) for i in range(n)]
+
+
+def model_test_set(model_dir, n: int, lengths: list[int], families: list[str] | None = None,
+                   seed: int = 0) -> list[TextInstance]:
+    """The test set as every consumer must see it for ``model_dir`` (our eval,
+    the serving benchmark, kvpress on the same prompts): rendered with the
+    model's tokenizer and chat template, prompts capped at :func:`prompt_limit`.
+    Without the cap an "8k" prompt runs past SmolLM2's context and is not the
+    prompt the eval ran."""
+    from services.compute.tokenizer import Tokenizer
+    return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir))

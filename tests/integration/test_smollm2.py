@@ -354,3 +354,18 @@ def test_real_text_suite_prompts(engine):
     for seed in range(4):
         capped = ruler.generate("multikey", seed, 2048, tok, limit=2000)
         assert 1900 <= len(capped.prompt_ids) <= 2000 and all(a in capped.prompt for a in capped.answers)
+
+
+def test_every_consumer_gets_the_capped_test_set(model_dir):
+    """`kvpop eval`, `kvpop bench serve` and the kvpress comparison share one
+    test set: at SmolLM2's whole context (8,192) every prompt is capped below
+    it with room for the answer (kvpress once got uncapped 8,214-token prompts
+    and truncated them: not the prompts the eval ran)."""
+    from kvpop import bench_serve
+    from kvpop.tasks import ruler
+    limit = ruler.prompt_limit(model_dir)
+    assert limit == 8192 - ruler.ANSWER_ROOM
+    insts = ruler.model_test_set(model_dir, 1, [8192], ["needle", "multikey"], seed=1)
+    assert all(limit - 200 <= len(i.prompt_ids) <= limit for i in insts), [len(i.prompt_ids) for i in insts]
+    served = bench_serve.real_workload(str(model_dir), 2, 1, [8192], ["needle", "multikey"])
+    assert sorted(i.prompt_ids for i in served) == sorted(i.prompt_ids for i in insts)
