@@ -359,6 +359,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="compute device: cpu, cuda, auto")
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
     p.add_argument("--block-size", type=int, help="KV block size in positions")
+    p.add_argument("--estimator", type=Path, default=None,
+                   help="value-estimation checkpoint for the cache-manager (default: the model folder's "
+                        "estimator.safetensors), e.g. a long-context one")
     p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--no-supervisor", action="store_true",
@@ -372,9 +375,16 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             compute += [flag, str(value)]
     gateway = ["--default-budget", args.budget] if args.budget is not None else []
+    cache_manager = []
+    if args.estimator is not None:
+        if not args.estimator.is_file():
+            print(f"kvpop up: error: --estimator {args.estimator}: no such file", file=sys.stderr)
+            return 2
+        cache_manager = ["--estimator", str(args.estimator.resolve())]   # after the folder's: the last one wins
     try:
         stack = start_stack(state_dir, model=args.model, redis_url=args.redis_url, port=args.port, host=args.host,
-                            policy=args.policy, service_args={"compute": compute, "gateway": gateway},
+                            policy=args.policy, service_args={"compute": compute, "gateway": gateway,
+                                                          "cache-manager": cache_manager},
                             timeout=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
                             supervise=not args.no_supervisor)
     except LaunchError as e:

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
+    p.add_argument("--estimator", default=None, metavar="CHECKPOINT",
+                   help="in process: the network `learned` uses (default: MODEL/estimator.safetensors); "
+                        "served, start the stack with `kvpop up --estimator`")
     p.add_argument("--device", default="cpu", help="in process: where the model runs (cpu, cuda or auto)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
     p.add_argument("--via", metavar="HOST:PORT",
@@ -93,8 +96,9 @@ def run(args) -> int:
     if args.via:
         return run_via(args, policies, comps, families)
     uses_network = [p for p in policies if policy_spec(p)[0] == "learned"]
-    if uses_network and not (model_dir / ESTIMATOR).is_file():
-        print(f"note: no {ESTIMATOR} in {model_dir}; skipping {', '.join(uses_network)}")
+    checkpoint = Path(args.estimator) if args.estimator else model_dir / ESTIMATOR
+    if uses_network and not checkpoint.is_file():
+        print(f"note: no {checkpoint}; skipping {', '.join(uses_network)}")
         policies = [p for p in policies if p not in uses_network]
         uses_network = []
     instances, lo, hi, n = test_instances(args, families)
@@ -102,7 +106,7 @@ def run(args) -> int:
     advisor = None
     if uses_network:   # the cache-manager's own scoring, in process (docs/estimator.md)
         from kvpop.evaluation.local_advisor import LocalAdvisor
-        advisor = LocalAdvisor(model_dir)
+        advisor = LocalAdvisor(checkpoint)
         print(f"learned: {advisor.planner.loaded}")
     device = args.device
     if device == "auto":
@@ -171,6 +175,9 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     if "oracle" in policies:
         print("note: 'oracle' is evaluation-only (it knows the answer's positions); not served, skipped")
         policies = [p for p in policies if p != "oracle"]
+    if args.estimator:
+        print("note: --estimator is for in-process runs; a stack uses the one it was started with "
+              "(`kvpop up --estimator`)")
     instances, lo, hi, n = test_instances(args, families)
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info

@@ -30,7 +30,17 @@ def test_up_generate_down(tmp_path):
     save_hf_model(model, "qwen2", seed=1, vocab_size=259, max_position_embeddings=1024)
     build_tokenizer().save(str(model / "tokenizer.json"))   # byte-level, 259 ids
     state = tmp_path / "state"
-    up = kvpop("up", "--model", str(model), "--block-size", "8", "--timeout", "150", state_dir=state)
+    missing = kvpop("up", "--model", str(model), "--estimator", str(tmp_path / "nope.safetensors"), state_dir=state,
+                    timeout=60)
+    assert missing.returncode == 2 and "nope.safetensors: no such file" in missing.stderr
+    assert not (state / "stack.json").exists()
+    # A network chosen apart from the model folder (the default model's: another shape, so this
+    # model's sequences are still ranked by the heuristic, below).
+    net = tmp_path / "chosen" / "estimator.safetensors"
+    net.parent.mkdir()
+    net.write_bytes((REPO_ROOT / "models/default/estimator.safetensors").read_bytes())
+    up = kvpop("up", "--model", str(model), "--block-size", "8", "--timeout", "150", "--estimator", str(net),
+               state_dir=state)
     assert up.returncode == 0, up.stderr
     streaming = None
     try:
@@ -64,6 +74,7 @@ def test_up_generate_down(tmp_path):
         assert gen.stdout.strip(), "no text streamed"
         assert "[length]" in gen.stderr and "completion 16 tok" in gen.stderr and "policy learned" in gen.stderr
         assert "(network 0.0%; cache-manager heuristic" in gen.stderr and "fallback" not in gen.stderr, gen.stderr
+        assert f"estimator loaded from {net}" in (state / "logs" / "cache-manager.log").read_text()
         # Same seed, same text: served learned evictions do not depend on timing.
         same = [kvpop("generate", story, "--max-tokens", "16", "--ignore-eos", "--policy", "learned",
                       "--kv-budget", "0.25", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9",
