@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from kvpop.launcher_down import stop_stack
-from kvpop.model_store import model_arg, resolve_model
+from kvpop.model_store import estimator_arg, model_arg, resolve_model
 from kvpop.paths import REPO_ROOT
 from kvpop.stack import (SERVICES, STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack,  # noqa: F401 (re-exported)
                          _died, default_state_dir, free_port, proc_start_time, proc_uptime)
@@ -359,9 +359,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="compute device: cpu, cuda, auto")
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
     p.add_argument("--block-size", type=int, help="KV block size in positions")
-    p.add_argument("--estimator", type=Path, default=None,
-                   help="value-estimation checkpoint for the cache-manager (default: the model folder's "
-                        "estimator.safetensors), e.g. a long-context one")
+    p.add_argument("--estimator", type=estimator_arg, default=None,
+                   help="value-estimation checkpoint for the cache-manager, a file or a shipped name "
+                        "(default: the model folder's estimator.safetensors), e.g. smollm2-135m-long")
     p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--no-supervisor", action="store_true",
@@ -375,12 +375,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             compute += [flag, str(value)]
     gateway = ["--default-budget", args.budget] if args.budget is not None else []
-    cache_manager = []
-    if args.estimator is not None:
-        if not args.estimator.is_file():
-            print(f"kvpop up: error: --estimator {args.estimator}: no such file", file=sys.stderr)
-            return 2
-        cache_manager = ["--estimator", str(args.estimator.resolve())]   # after the folder's: the last one wins
+    # After the folder's own on the command line: the last one wins.
+    cache_manager = ["--estimator", str(args.estimator)] if args.estimator is not None else []
     try:
         stack = start_stack(state_dir, model=args.model, redis_url=args.redis_url, port=args.port, host=args.host,
                             policy=args.policy, service_args={"compute": compute, "gateway": gateway,

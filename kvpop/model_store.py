@@ -188,6 +188,19 @@ SHIPPED_ESTIMATORS = Path(__file__).resolve().parent / "estimators"
 ESTIMATOR_FILES = ("estimator.safetensors", "estimator.json")
 
 
+def estimator_arg(value: str) -> Path:
+    """argparse type for --estimator: a checkpoint file, or the name of one
+    shipped in kvpop/estimators/ (e.g. smollm2-135m-long)."""
+    p = Path(value).expanduser()
+    if p.is_file():
+        return p.resolve()
+    shipped = SHIPPED_ESTIMATORS / f"{value}.safetensors"
+    if "/" not in value and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(f.stem for f in SHIPPED_ESTIMATORS.glob("*.safetensors")))
+    raise argparse.ArgumentTypeError(f"{value}: no such file, and not a shipped estimator ({names})")
+
+
 # The sha256 of the shipped estimator placed in a folder: a file that still has
 # it is ours to upgrade; one that does not is a user's own.
 SHIPPED_MARK = ".estimator.shipped"

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvpop.config import PLAN_INTERVAL
-from kvpop.model_store import model_arg
+from kvpop.model_store import estimator_arg, model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
-    p.add_argument("--estimator", default=None, metavar="CHECKPOINT",
+    p.add_argument("--estimator", type=estimator_arg, default=None, metavar="CHECKPOINT",
                    help="in process: the network `learned` uses (default: MODEL/estimator.safetensors); "
                         "served, start the stack with `kvpop up --estimator`")
     p.add_argument("--device", default="cpu", help="in process: where the model runs (cpu, cuda or auto)")
@@ -96,7 +96,7 @@ def run(args) -> int:
     if args.via:
         return run_via(args, policies, comps, families)
     uses_network = [p for p in policies if policy_spec(p)[0] == "learned"]
-    checkpoint = Path(args.estimator) if args.estimator else model_dir / ESTIMATOR
+    checkpoint = args.estimator or model_dir / ESTIMATOR
     if uses_network and not checkpoint.is_file():
         print(f"note: no {checkpoint}; skipping {', '.join(uses_network)}")
         policies = [p for p in policies if p not in uses_network]

@@ -32,7 +32,8 @@ def test_up_generate_down(tmp_path):
     state = tmp_path / "state"
     missing = kvpop("up", "--model", str(model), "--estimator", str(tmp_path / "nope.safetensors"), state_dir=state,
                     timeout=60)
-    assert missing.returncode == 2 and "nope.safetensors: no such file" in missing.stderr
+    assert missing.returncode == 2 and "nope.safetensors: no such file, and not a shipped estimator" in missing.stderr
+    assert "smollm2-135m-long" in missing.stderr      # the shipped names are listed
     assert not (state / "stack.json").exists()
     # A network chosen apart from the model folder (the default model's: another shape, so this
     # model's sequences are still ranked by the heuristic, below).

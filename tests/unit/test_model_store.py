@@ -125,3 +125,17 @@ def test_fetch_upgrades_an_older_shipped_estimator_but_not_a_users(home):
     dst.write_bytes(b"trained by the user")
     assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
     assert dst.read_bytes() == b"trained by the user"
+
+
+def test_estimator_arg_takes_a_file_or_a_shipped_name(tmp_path, monkeypatch):
+    import argparse
+
+    from kvpop.model_store import SHIPPED_ESTIMATORS, estimator_arg
+    own = tmp_path / "mine.safetensors"
+    own.write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert estimator_arg("mine.safetensors") == own.resolve()          # a path wins over a name
+    assert estimator_arg("smollm2-135m-long") == SHIPPED_ESTIMATORS / "smollm2-135m-long.safetensors"
+    for bad in ("smollm2-135m-short", "sub/smollm2-135m"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a shipped estimator"):
+            estimator_arg(bad)
