@@ -53,7 +53,7 @@ class EngineConfig:
     num_pages: int | None = None          # None: from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30         # used when num_pages is None
     max_num_seqs: int = 64
-    max_model_len: int = 4096
+    max_model_len: int | None = None   # None: the model's own (max_position_embeddings)
     prefill_chunk: int = 512
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
@@ -118,7 +118,8 @@ class LLMEngine:
         self.config, self.advisor = config, advisor
         self.model, self.tokenizer = model.eval(), tokenizer
         mc = model.config
-        self.max_model_len = min(config.max_model_len, mc.max_position_embeddings)
+        self.max_model_len = (mc.max_position_embeddings if config.max_model_len is None
+                              else min(config.max_model_len, mc.max_position_embeddings))
         # Off CPU the RoPE tables cannot grow on demand without a sync per step.
         model.rotary.reserve(self.max_model_len)
         if config.num_pages is not None:

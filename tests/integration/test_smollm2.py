@@ -262,6 +262,7 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             stub = generate_pb2_grpc.KVpopStub(ch)
             info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
             assert info.name == NAME and info.chat_template and info.num_layers == 30 and not info.placeholder
+            assert info.max_model_len == 8192      # the model's whole context unless KVPOP_MAX_MODEL_LEN says less
 
             def chat(*messages, **kw):
                 req = generate_pb2.GenerateRequest(
