@@ -141,9 +141,12 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from services.compute.loader import resolve_device
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(f"kvpop bench step: {e}")
+        return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     counts = [int(x) for x in args.sequences.split(",") if x.strip()]
     if not policies or not counts or min(counts) < 1 or args.steps < 1:

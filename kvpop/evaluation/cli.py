@@ -108,11 +108,11 @@ def run(args) -> int:
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(checkpoint)
         print(f"learned: {advisor.planner.loaded}")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"--device {args.device}: this torch sees no CUDA device")
+    from services.compute.loader import resolve_device
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(e)
         return 2
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     # No cleanup: a request that does not fit the pool waits; it never

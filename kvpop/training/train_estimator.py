@@ -336,11 +336,11 @@ def run(args) -> int:
     if args.trace_only and not args.traces:
         print("--trace-only needs --traces FILE (where the traces go)")
         return 2
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"--device {args.device}: this torch sees no CUDA device")
+    from services.compute.loader import resolve_device
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(e)
         return 2
     seconds = None if args.trace_minutes is None else 60.0 * args.trace_minutes
     try:

@@ -21,6 +21,16 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
+def resolve_device(device: str) -> str:
+    """'auto' -> cuda when torch sees a CUDA device, else cpu. ValueError for a
+    CUDA device this torch cannot see (a CPU build, or no GPU)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this torch sees no CUDA device")
+    return device
+
+
 def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import grpc
-import torch
 from opentelemetry import trace
 
 from kvpop import telemetry
@@ -41,12 +40,6 @@ WATCH_PERIOD_S = 0.1
 
 _FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
            "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def resolve_dtype_name(dtype: str, device: str) -> str:
@@ -86,6 +79,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         from services.compute.policies import POLICY_NAMES
 
         cfg = self.cfg
+        from services.compute.loader import resolve_device
         device = resolve_device(cfg.device)
         dtype = resolve_dtype_name(cfg.dtype, device)
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,

@@ -185,3 +185,14 @@ def test_config_layouts_agree():
     assert ModelConfig.from_hf(old.to_hf()) == old
     default = ModelConfig.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert default.rope_scaling is None and default.head_dim == 4 and default.architecture == "llama"
+
+
+def test_resolve_device():
+    import torch
+
+    from services.compute.loader import resolve_device
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():      # a CUDA device this torch cannot reach: one clear line
+        with pytest.raises(ValueError, match="sees no CUDA device"):
+            resolve_device("cuda:0")
