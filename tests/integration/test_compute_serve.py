@@ -49,8 +49,9 @@ def test_many_requests_one_stream_batched_and_isolated(compute):
     s = ServeStream(compute)
     for rid, p in prompts.items():
         s.start(_req(rid, prompt=p))
+        if rid == "ok0":    # right behind it, so ok0 is still running even on a loaded host
+            s.start(_req("ok0", prompt="a second ok0"))        # id already running on this stream
     s.start(_req("too-long", max_tokens=10**7))               # over compute's own limit
-    s.start(_req("ok0", prompt="a second ok0"))                # id already running on this stream
     s.close()
     tokens = {rid: [] for rid in prompts}
     finished, failed, shared = set(), {}, 0
