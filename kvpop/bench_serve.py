@@ -17,26 +17,32 @@ tokens/s, TTFT, time per output token and inter-token latency (p50/p99),
 errors, peak pool pages and peak running sequences (polled from compute),
 the network's share of `learned` evictions, and answer accuracy.
 
+The client is one asyncio loop (``grpc.aio``), every in-flight stream a task
+on it: a thread per stream cost more CPU than the host could spare from the
+stack being measured. It reports its own CPU seconds (``client_cpu_s``).
+
 Writes DIR/results.json, DIR/summary.json (throughput_ratio, concurrency_ratio:
-the first non-dense policy over dense at the highest rate), DIR/results.md,
-DIR/throughput.png and DIR/latency_cdf.png.
+the first non-dense policy over dense at the highest rate; client_cpu_s),
+DIR/results.md, DIR/throughput.png and DIR/latency_cdf.png.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
+import resource
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import grpc
 from tqdm import tqdm
 
-from kvpop.loadgen import Stream, percentile, request
+from kvpop.loadgen import AsyncStream, percentile, request
 from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.peak_poller import PeakPoller
 
 
 def add_arguments(p) -> None:
@@ -66,47 +72,10 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, required=True)
 
 
-class PeakPoller:
-    """Polls compute's Info for the peak running sequences and pool pages."""
-
-    def __init__(self, address: str | None, period: float = 0.02, security=None):
-        """security: how to reach compute (its stack's token; None: KVPOP_INTERNAL_TOKEN(_FILE), KVPOP_TLS_*)."""
-        self.address, self.period, self.security = address, period, security
-        self.running = self.pages = 0
-        # compute's cleanup counter at the first and the latest poll: budgets it shrank
-        # under pool pressure (those requests ran at a higher compression than asked).
-        self.shrinks_first = self.shrinks_last = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        if self.address:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        if self.address:
-            self._thread.join(5)
-
-    def _run(self) -> None:
-        from kvpop.pb import compute_pb2, compute_pb2_grpc
-        from kvpop.security import sync_channel
-        # Compute's Info needs the stack's internal token.
-        with sync_channel(self.address, self.security) as ch:
-            stub = compute_pb2_grpc.ComputeStub(ch)
-            while not self._stop.is_set():
-                try:
-                    st = stub.Info(compute_pb2.InfoRequest(), timeout=2).stats
-                    self.running = max(self.running, st.running)
-                    self.pages = max(self.pages, st.pages_used)
-                    shrinks = int(st.extra.get("budget_shrinks", 0))
-                    if self.shrinks_first is None:
-                        self.shrinks_first = shrinks
-                    self.shrinks_last = shrinks
-                except grpc.RpcError:
-                    pass
-                self._stop.wait(self.period)
+def cpu_seconds() -> float:
+    """This process's CPU time (user + system); a stack it starts runs in child processes, not counted."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
@@ -139,25 +108,39 @@ def make_request(pb, inst, policy: str, budget: float, new_tokens: int, sink: in
     return req
 
 
-def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
-            sink: int = 4, recent: int = 8, new_tokens: int = 256, security=None) -> dict:
-    from kvpop.tasks.checker import is_correct
+async def send(stub, reqs, rate: float, seed: int, done=lambda s: None) -> list[AsyncStream]:
+    """Each request at its seeded Poisson arrival (all at once when rate is inf), every one a task on
+    this loop through the gateway's ``grpc.aio`` stub, request i as client ``bench-user-i``; returns
+    them finished, calling ``done`` on each as it ends."""
     rng = random.Random(seed)
     streams = []
-    t0 = time.perf_counter()
-    with PeakPoller(compute, security=security) as peaks:
-        for i, inst in enumerate(insts):
-            if math.isfinite(rate):
-                time.sleep(rng.expovariate(rate))
-            req = make_request(pb, inst, policy, budget, new_tokens, sink, recent)
-            s = Stream(stub, req, client_id=f"bench-user-{i}")
-            s.inst = inst
-            streams.append(s.start())
-        for s in streams:
-            s.thread.join()
-            bar.update(1)
+    arrival = time.perf_counter()
+    for i, req in enumerate(reqs):
+        if math.isfinite(rate):
+            # Due times from the start, not sleeps back to back: a busy loop must not thin the offered rate.
+            arrival += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+        streams.append(AsyncStream(req, client_id=f"bench-user-{i}").start(stub))
+    for finished in asyncio.as_completed([s.task for s in streams]):
+        done(await finished)
+    return streams
+
+
+async def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: str | None, seed: int, bar,
+                  sink: int = 4, recent: int = 8, new_tokens: int = 256, security=None) -> dict:
+    reqs = [make_request(pb, inst, policy, budget, new_tokens, sink, recent) for inst in insts]
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    async with PeakPoller(compute, security=security) as peaks:
+        streams = await send(stub, reqs, rate, seed, lambda s: bar.update(1))
     wall = max(s.t_end for s in streams) - t0
-    ok = [s for s in streams if s.error is None and s.stamps]
+    return row(policy, rate, streams, insts, wall, peaks, cpu_seconds() - cpu0)
+
+
+def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float, peaks: PeakPoller,
+        cpu: float) -> dict:
+    from kvpop.tasks.checker import is_correct
+    answered = [(s, inst) for s, inst in zip(streams, insts) if s.error is None and s.stamps]
+    ok = [s for s, _ in answered]
     out_tokens = sum(len(s.stamps) for s in ok)
     evicted = sum(s.usage.kv_blocks_evicted for s in ok if s.usage)
     network = sum(s.usage.network_evictions for s in ok if s.usage)
@@ -175,14 +158,39 @@ def run_one(stub, pb, insts, policy: str, budget: float, rate: float, compute: s
         "peak_running": peaks.running, "peak_pages": peaks.pages,
         "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
         "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
-        "accuracy": round(sum(is_correct(s.inst, "".join(s.text)) for s in ok) / max(1, len(ok)), 4),
-        "_ttft": ttft, "_itl": itl,
+        "accuracy": round(sum(is_correct(inst, "".join(s.text)) for s, inst in answered) / max(1, len(ok)), 4),
+        "client_cpu_s": round(cpu, 2), "_ttft": ttft, "_itl": itl,
     }
 
 
-def run(args) -> int:
+async def serve(args, insts, policies: list[str], rates: list[float], address: str, compute: str | None,
+                security) -> tuple[list[dict], float]:
+    """Every (rate, policy) row in turn over one gateway channel, and this client's CPU seconds for them."""
     from kvpop.pb import generate_pb2, generate_pb2_grpc
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = generate_pb2_grpc.KVpopStub(ch)
+        # Warm both paths (first calls are slow), not measured.
+        for pol in policies:
+            if pol != "hf":
+                req = make_request(generate_pb2, insts[0], pol, args.budget, 4, args.sink, args.recent)
+                await AsyncStream(req).start(stub).task
+        cpu0 = cpu_seconds()
+        bar = tqdm(total=len(policies) * len(rates) * len(insts), desc="bench serve", dynamic_ncols=True)
+        rows = []
+        for rate in rates:
+            for pol in policies:
+                if pol == "hf":
+                    from kvpop.hf_baseline import run_hf
+                    # Blocks the loop, which has nothing else in flight meanwhile.
+                    rows.append(run_hf(args.model, insts, rate, args.seed, bar, args.new_tokens, args.hf_max_batch))
+                    continue
+                rows.append(await run_one(stub, generate_pb2, insts, pol, args.budget, rate, compute, args.seed,
+                                          bar, args.sink, args.recent, args.new_tokens, security=security))
+        bar.close()
+    return rows, round(cpu_seconds() - cpu0, 2)
 
+
+def run(args) -> int:
     if args.quick:
         args.requests, args.rates, args.num_pages, args.new_tokens = 8, "inf", min(args.num_pages, 3000), 32
     rates = [float(r) for r in args.rates.split(",")]
@@ -208,32 +216,14 @@ def run(args) -> int:
                             service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
                                                       str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
         address, compute = stack.gateway, stack.proc("compute").address
-    rows = []
     try:
-        with grpc.insecure_channel(address) as ch:
-            stub = generate_pb2_grpc.KVpopStub(ch)
-            # Warm both paths (first calls are slow), not measured.
-            for pol in policies:
-                if pol != "hf":
-                    Stream(stub, make_request(generate_pb2, insts[0], pol, args.budget, 4, args.sink, args.recent)
-                           ).start().thread.join()
-            bar = tqdm(total=len(policies) * len(rates) * len(insts), desc="bench serve", dynamic_ncols=True)
-            for rate in rates:
-                for pol in policies:
-                    if pol == "hf":
-                        from kvpop.hf_baseline import run_hf
-                        rows.append(run_hf(args.model, insts, rate, args.seed, bar, args.new_tokens,
-                                           args.hf_max_batch))
-                        continue
-                    rows.append(run_one(stub, generate_pb2, insts, pol, args.budget, rate, compute,
-                                        args.seed, bar, args.sink, args.recent, args.new_tokens,
-                                        security=stack.security() if stack is not None else None))
-            bar.close()
+        rows, client_cpu = asyncio.run(serve(args, insts, policies, rates, address, compute,
+                                             stack.security() if stack is not None else None))
     finally:
         if stack is not None:
             from kvpop.launcher_down import stop_stack
             stop_stack(stack, grace=5)
-    write(args, rows, policies, rates)
+    write(args, rows, policies, rates, client_cpu)
     return 0
 
 
@@ -274,11 +264,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(args, rows: list[dict], policies: list[str], rates: list[float]) -> None:
+def write(args, rows: list[dict], policies: list[str], rates: list[float], client_cpu: float | None = None) -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     clean = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
     s = summary(clean, policies, rates)
+    # The client shares the host with the stack it measures: its own CPU cost stays in view.
+    s["client_cpu_s"] = client_cpu
     meta = {"command": "kvpop bench serve", "suite": args.suite, "requests": args.requests, "budget": args.budget,
             "new_tokens": args.new_tokens,
             "sink": args.sink, "recent": args.recent,

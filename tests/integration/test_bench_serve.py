@@ -3,11 +3,17 @@ own stack (it checks the benchmark, not a speed)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import random
+import time
 
+import grpc
 import pytest
 
 from kvpop import bench_serve
+from kvpop.loadgen import Stream, request
+from kvpop.pb import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -46,3 +52,48 @@ def test_bench_serve_hf_baseline_gives_the_same_answers(tmp_path):
     assert hf["accuracy"] == dense["accuracy"], (hf, dense)     # greedy on both sides: the same answers
     summary = json.loads((tmp_path / "hf" / "summary.json").read_text())
     assert summary["served_dense_over_hf"]["throughput_ratio"] > 0, summary
+
+
+def _send(address: str, reqs, rate: float):
+    """The finished streams, and a time just before the first arrival's clock started."""
+    async def go():
+        async with grpc.aio.insecure_channel(address) as ch:
+            start = time.perf_counter()
+            return await bench_serve.send(generate_pb2_grpc.KVpopStub(ch), reqs, rate, seed=3), start
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("rate", [float("inf"), 40.0])
+def test_async_client_times_every_token_of_every_request(stack, rate):
+    # The benchmark's one-loop client on a real stack, many streams in flight: a token lost, counted
+    # twice or stamped outside its request would change every throughput and latency it reports.
+    n, tokens = 12, 24
+    reqs = [request(generate_pb2, f"Request {i}: the quick brown fox jumps over the lazy dog.", "dense", None,
+                    tokens) for i in range(n)]
+    streams, start = _send(stack.gateway, reqs, rate)
+    assert len(streams) == n
+    for s in streams:
+        assert s.error is None, s.error
+        assert len(s.stamps) == tokens == s.usage.completion_tokens
+        assert s.t0 <= s.stamps[0] and s.stamps == sorted(s.stamps) and s.stamps[-1] <= s.t_end
+        assert 0 < s.ttft <= s.t_end - s.t0
+        gaps = s.itls()
+        assert len(gaps) == tokens - 1 and min(gaps) >= 0
+    if rate != float("inf"):
+        # Sent at the seeded Poisson arrivals, never early (late only by the loop's own delay).
+        rng = random.Random(3)
+        due = start
+        for s in streams:
+            due += rng.expovariate(rate)
+            assert due - 0.001 <= s.t0 < due + 1.0, (s.t0 - start, due - start)
+
+
+def test_async_client_text_equals_the_threaded_clients(stack, gateway):
+    # Every chunk's text kept, in order: the same greedy request read both ways gives the same text.
+    req = request(generate_pb2, "Compare: one request, two clients.", "dense", None, 32)
+    threaded = Stream(gateway, req).start()
+    threaded.thread.join()
+    [one_loop], _ = _send(stack.gateway, [req], float("inf"))
+    assert threaded.error is None and one_loop.error is None
+    assert len(one_loop.stamps) == len(threaded.stamps) == 32
+    assert "".join(one_loop.text) == "".join(threaded.text)
