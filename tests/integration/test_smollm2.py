@@ -370,3 +370,24 @@ def test_every_consumer_gets_the_capped_test_set(model_dir):
     assert all(limit - 200 <= len(i.prompt_ids) <= limit for i in insts), [len(i.prompt_ids) for i in insts]
     served = bench_serve.real_workload(str(model_dir), 2, 1, [8192], ["needle", "multikey"])
     assert sorted(i.prompt_ids for i in served) == sorted(i.prompt_ids for i in insts)
+
+
+def test_gpu_long_context_script_dry_run(model_dir, tmp_path):
+    """scripts/gpu_long_context.sh is run on a lent GPU machine once, with no
+    second try: its CPU dry run (every stage at tiny sizes) must keep working.
+    It traces, continues the shipped estimator, evaluates, and packs results."""
+    import tarfile
+
+    from kvpop.model_store import kvpop_home
+    from kvpop.paths import REPO_ROOT
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "DRY": "1", "DEVICE": "cpu", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,
+           "KVPOP_HOME": str(kvpop_home())}
+    r = subprocess.run(["bash", "scripts/gpu_long_context.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+                       text=True, timeout=240)
+    log = (out / "log.txt").read_text()
+    assert r.returncode == 0, log + r.stderr[-2000:]
+    assert "estimator trained" in log and "done" in log
+    with tarfile.open(out / "results.tar.gz") as tf:
+        names = set(tf.getnames())
+    assert {"./est_long.safetensors", "./est_long.json", "./eval_512_s0/results.json"} <= names, names
