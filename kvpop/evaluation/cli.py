@@ -95,6 +95,12 @@ def run(args) -> int:
         return 2
     if args.via:
         return run_via(args, policies, comps, families)
+    from services.compute.loader import resolve_device
+    try:   # before the prompts are built and the network loaded: a wrong device fails at once
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(e)
+        return 2
     uses_network = [p for p in policies if policy_spec(p)[0] == "learned"]
     checkpoint = args.estimator or model_dir / ESTIMATOR
     if uses_network and not checkpoint.is_file():
@@ -108,12 +114,6 @@ def run(args) -> int:
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(checkpoint)
         print(f"learned: {advisor.planner.loaded}")
-    from services.compute.loader import resolve_device
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        print(e)
-        return 2
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     # No cleanup: a request that does not fit the pool waits; it never
     # shrinks running budgets (cleanup would silently evaluate a higher compression
@@ -139,7 +139,8 @@ def run(args) -> int:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": args.seed,
-            "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval, "sink": args.sink, "recent": args.recent,
+            "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
+            "sink": args.sink, "recent": args.recent,
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta)
@@ -175,9 +176,9 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     if "oracle" in policies:
         print("note: 'oracle' is evaluation-only (it knows the answer's positions); not served, skipped")
         policies = [p for p in policies if p != "oracle"]
-    if args.estimator:
-        print("note: --estimator is for in-process runs; a stack uses the one it was started with "
-              "(`kvpop up --estimator`)")
+    if args.estimator or args.device != "cpu":
+        print("note: --estimator and --device are for in-process runs; a stack uses what it was started "
+              "with (`kvpop up --estimator ... --device ...`)")
     instances, lo, hi, n = test_instances(args, families)
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info

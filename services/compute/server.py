@@ -76,10 +76,10 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         from services.compute.advisor_client import AdvisorClient
         from services.compute.async_engine import AsyncEngine
         from services.compute.engine import EngineConfig
+        from services.compute.loader import resolve_device
         from services.compute.policies import POLICY_NAMES
 
         cfg = self.cfg
-        from services.compute.loader import resolve_device
         device = resolve_device(cfg.device)
         dtype = resolve_dtype_name(cfg.dtype, device)
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
