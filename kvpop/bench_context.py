@@ -13,7 +13,6 @@ sequence's stays flat, and so does its per-token attention cost.
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 

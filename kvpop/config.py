@@ -98,8 +98,10 @@ class CacheManagerConfig(ServerConfig):
     max_plan_blocks: int = setting("KVPOP_MAX_PLAN_BLOCKS", 8192,
                                    "most block numbers per (layer, kv-head) in one eviction plan (8192: a whole 8k prompt at "
                                    "block size 1, which an evict-after-prompt round may need)")
-    estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint ('' = models/default/"
-                             "estimator.safetensors, 'none' = heuristic); SIGHUP reloads it")
+    estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint(s): a file, a model folder "
+                             "(its estimator.safetensors and estimator-*.safetensors) or a comma-separated list, "
+                             "each sequence ranked by the one trained for its prompt's length ('' = models/default, "
+                             "'none' = heuristic); SIGHUP reloads them")
     scoring_threads: int = setting("KVPOP_SCORING_THREADS", 1,
                                    "torch threads of the network (small ops: more threads mostly contend "
                                    "with compute for the same cores)")

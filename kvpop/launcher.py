@@ -175,8 +175,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         else:
             _check_redis_url(redis_url)
         stack.redis_url = redis_url
-        estimator = Path(model).resolve() / "estimator.safetensors" if model else None
-        if estimator is not None and not estimator.is_file():
+        # The folder: its estimator.safetensors and any estimator-*.safetensors (networks for other lengths).
+        estimator = Path(model).resolve() if model else None
+        if estimator is not None and not any(estimator.glob("estimator*.safetensors")):
             estimator = None
         ports = {"cache-manager": free_port(), "compute": free_port(), "gateway": port or free_port()}
         addr = {n: f"{host}:{p}" for n, p in ports.items()}
@@ -187,7 +188,7 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         stack.metrics = {n: f"http://{dial[n].rsplit(':', 1)[0]}:{mports[n]}/metrics" for n in SERVICES}
         py = [sys.executable, "-m"]
         cmds = {
-            # A model folder with its own network (fetch-model places the shipped one) gets it.
+            # A model folder with its own networks (fetch-model places the shipped ones) gets them.
             "cache-manager": [*py, _MODULES["cache-manager"], "--port", str(ports["cache-manager"]), "--host", host,
                               *(["--estimator", str(estimator)] if estimator else [])],
             "compute": [*py, _MODULES["compute"], "--port", str(ports["compute"]), "--host", host,
@@ -360,8 +361,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
     p.add_argument("--block-size", type=int, help="KV block size in positions")
     p.add_argument("--estimator", type=estimator_arg, default=None,
-                   help="value-estimation checkpoint for the cache-manager, a file or a shipped name "
-                        "(default: the model folder's estimator.safetensors), e.g. smollm2-135m-long")
+                   help="value-estimation checkpoint(s) for the cache-manager: files or shipped names, "
+                        "comma-separated (default: the model folder's estimator*.safetensors, routed by "
+                        "prompt length), e.g. smollm2-135m-long")
     p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--no-supervisor", action="store_true",

@@ -20,7 +20,7 @@ prefix, base units, `_total` counters):
 | `kvpop_learned_sequences_held` | gauge | compute (learned sequences waiting for their plan now) |
 | `kvpop_prefix_cache_queries_total`, `kvpop_prefix_cache_hits_total` | counter | compute; hit rate = rate(hits) / rate(queries) |
 | `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round: the time to compute one plan) |
-| `kvpop_eviction_plans_sent_total` | counter | cache-manager (plans computed and sent) |
+| `kvpop_eviction_plans_sent_total{estimator}` | counter | cache-manager (plans computed and sent, by the network that ranked them: its checkpoint's file name, or `heuristic`) |
 | `kvpop_eviction_plans_received_total` | counter | compute (plans that came over the `Advise` stream) |
 | `kvpop_eviction_plans_applied_total` | counter | compute (plans an eviction round used; each plan once) |
 | `kvpop_eviction_plans_late_total{reason}` | counter | compute: never applied, `superseded` (a newer plan came first) or `stale` (ranks fewer blocks than were sent since) |
@@ -140,7 +140,8 @@ class Metrics:
                                       "Compute: from sending a sequence's block features to receiving "
                                       "the plan that answers them.", buckets=PLAN_BUCKETS, registry=r)
         self.plans_sent = Counter("kvpop_eviction_plans_sent",
-                                  "Eviction plans the cache-manager computed and sent.", registry=r)
+                                  "Eviction plans the cache-manager computed and sent, by the network that "
+                                  "ranked them (checkpoint file name, or heuristic).", ["estimator"], registry=r)
         self.info = Gauge("kvpop_service_info", "Constant 1, labelled with the service.",
                           ["service", "version"], registry=r)
         # Last cumulative values seen in engine.stats(): counters advance by deltas.

@@ -43,6 +43,9 @@ class KnownModel:
     # A value-estimation network trained for this model by `kvpop train-estimator`,
     # shipped in kvpop/estimators/ and placed beside the weights (the `learned` policy).
     estimator: str = ""
+    # More networks for other prompt lengths, (placed as estimator-SUFFIX, shipped name):
+    # the cache-manager routes each sequence to the one trained for its prompt's length.
+    more_estimators: tuple[tuple[str, str], ...] = ()
 
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in [
@@ -53,7 +56,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in [
         license="Apache-2.0",
         description="HuggingFaceTB SmolLM2-135M-Instruct (Llama layout, 30 layers, 9/3 heads, 8k context), "
                     "Q4_1 GGUF dequantized to float32",
-        estimator="smollm2-135m"),
+        estimator="smollm2-135m", more_estimators=(("long", "smollm2-135m-long"),)),
 ]}
 
 
@@ -188,9 +191,14 @@ SHIPPED_ESTIMATORS = Path(__file__).resolve().parent / "estimators"
 ESTIMATOR_FILES = ("estimator.safetensors", "estimator.json")
 
 
-def estimator_arg(value: str) -> Path:
+def estimator_arg(value: str) -> str:
     """argparse type for --estimator: a checkpoint file, or the name of one
-    shipped in kvpop/estimators/ (e.g. smollm2-135m-long)."""
+    shipped in kvpop/estimators/ (e.g. smollm2-135m-long); several, comma-separated,
+    for the cache-manager to route each sequence by its prompt's length."""
+    return ",".join(str(_one_estimator(v.strip())) for v in value.split(",") if v.strip())
+
+
+def _one_estimator(value: str) -> Path:
     p = Path(value).expanduser()
     if p.is_file():
         return p.resolve()
@@ -214,28 +222,36 @@ def _sha256(path: Path) -> str:
 
 
 def place_estimator(spec: KnownModel, folder: Path, force: bool = False) -> bool:
-    """Copy the shipped estimator into ``folder`` when there is none, or when
-    the one there is an older shipped copy (a newer release upgrades it). A
-    user's own `kvpop train-estimator` output is never overwritten, except
-    with ``force``. Returns whether it copied."""
-    if not spec.estimator:
-        return False
-    src = [SHIPPED_ESTIMATORS / f"{spec.estimator}{Path(f).suffix}" for f in ESTIMATOR_FILES]
+    """Copy the shipped estimators into ``folder`` (estimator.safetensors, and
+    estimator-SUFFIX.safetensors for each of ``more_estimators``) where there
+    is none, or where the one there is an older shipped copy (a newer release
+    upgrades it). A user's own `kvpop train-estimator` output is never
+    overwritten, except with ``force``. Returns whether it copied any."""
+    placed = False
+    if spec.estimator:
+        placed |= _place_one(spec.estimator, folder, "estimator", force)
+    for suffix, name in spec.more_estimators:
+        placed |= _place_one(name, folder, f"estimator-{suffix}", force)
+    return placed
+
+
+def _place_one(name: str, folder: Path, stem: str, force: bool) -> bool:
+    src = [SHIPPED_ESTIMATORS / f"{name}{Path(f).suffix}" for f in ESTIMATOR_FILES]
     if not all(p.is_file() for p in src):
         return False
     new = _sha256(src[0])
-    dst = folder / ESTIMATOR_FILES[0]
+    dst = folder / f"{stem}.safetensors"
+    mark = folder / (SHIPPED_MARK if stem == "estimator" else f".{stem}.shipped")
     if dst.exists() and not force:
         have = _sha256(dst)
-        mark = folder / SHIPPED_MARK
         ours = have in FORMER_SHIPPED or (mark.is_file() and mark.read_text().strip() == have)
         if have == new or not ours:
             return False
-    for p, name in zip(src, ESTIMATOR_FILES):
-        tmp = folder / f".{name}.tmp"
+    for p in src:
+        tmp = folder / f".{stem}{p.suffix}.tmp"
         shutil.copyfile(p, tmp)
-        tmp.replace(folder / name)
-    (folder / SHIPPED_MARK).write_text(new + "\n")
+        tmp.replace(folder / f"{stem}{p.suffix}")
+    mark.write_text(new + "\n")
     return True
 
 

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: more only adds contention on shared cores)")
     p.add_argument("--estimator", type=estimator_arg, default=None, metavar="CHECKPOINT",
-                   help="in process: the network `learned` uses (default: MODEL/estimator.safetensors); "
+                   help="in process: the network(s) `learned` uses, comma-separated (default: MODEL's "
+                        "estimator*.safetensors, routed by prompt length, as a stack does); "
                         "served, start the stack with `kvpop up --estimator`")
     p.add_argument("--device", default="cpu", help="in process: where the model runs (cpu, cuda or auto)")
     p.add_argument("--quick", action="store_true", help="tiny run for tests: 1 instance per family, short prompts")
@@ -53,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder")
 
 
-ESTIMATOR = "estimator.safetensors"   # the cache-manager's checkpoint next to the model
 
 
 def run(args) -> int:
@@ -102,9 +102,12 @@ def run(args) -> int:
         print(e)
         return 2
     uses_network = [p for p in policies if policy_spec(p)[0] == "learned"]
-    checkpoint = args.estimator or model_dir / ESTIMATOR
-    if uses_network and not checkpoint.is_file():
-        print(f"note: no {checkpoint}; skipping {', '.join(uses_network)}")
+    from services.cache_manager.planner import resolve_checkpoints
+    # The model folder: its estimator.safetensors and any estimator-*.safetensors, as a stack loads them.
+    checkpoint = args.estimator or str(model_dir)
+    missing = [p for p in resolve_checkpoints(checkpoint) if not p.is_file()]
+    if uses_network and missing:
+        print(f"note: no {missing[0]}; skipping {', '.join(uses_network)}")
         policies = [p for p in policies if p not in uses_network]
         uses_network = []
     instances, lo, hi, n = test_instances(args, families)

@@ -46,6 +46,7 @@ class LocalAdvisor:
         """features: compute's BlockFeatures (torch tensors) of one sequence;
         gone: [L, Hkv, k] blocks its rows evicted since its last submit."""
         by_request: dict[str, list[BlockRecord]] = {}
+        prompt_tokens = {f.request_id: f.prompt_tokens for f in features}
         for f in features:
             by_request.setdefault(f.request_id, []).append(BlockRecord(
                 block=int(f.block), position=int(f.position), age=int(f.age),
@@ -54,11 +55,11 @@ class LocalAdvisor:
         with self._lock:
             for rid, records in by_request.items():
                 t0 = time.perf_counter()
-                self.planner.add(rid, records, None if gone is None else gone.numpy())
+                self.planner.add(rid, records, None if gone is None else gone.numpy(), prompt_tokens[rid])
                 plan = self.planner.plan(rid)
                 self.score_seconds += time.perf_counter() - t0
                 self._plans.put(EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
-                                             plan.covers, plan.ranker))
+                                             plan.covers, plan.ranker, plan.estimator))
                 self.plans_sent += 1
 
     def take_plans(self) -> dict[str, EvictionPlan]:

@@ -39,16 +39,18 @@ class BlockFeatures(_message.Message):
     def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
 
 class FeaturesBatch(_message.Message):
-    __slots__ = ("request_id", "blocks", "gone", "more")
+    __slots__ = ("request_id", "blocks", "gone", "more", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockFeatures]
     gone: IntArray
     more: bool
-    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceFinished(_message.Message):
     __slots__ = ("request_id",)
@@ -69,16 +71,18 @@ class AdvisorMessage(_message.Message):
     def __init__(self, features: _Optional[_Union[FeaturesBatch, _Mapping]] = ..., finished: _Optional[_Union[SequenceFinished, _Mapping]] = ..., traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
 
 class EvictionPlan(_message.Message):
-    __slots__ = ("request_id", "evict", "covers", "ranker")
+    __slots__ = ("request_id", "evict", "covers", "ranker", "estimator")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     COVERS_FIELD_NUMBER: _ClassVar[int]
     RANKER_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     evict: IntArray
     covers: int
     ranker: str
-    def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ..., covers: _Optional[int] = ..., ranker: _Optional[str] = ...) -> None: ...
+    estimator: str
+    def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ..., covers: _Optional[int] = ..., ranker: _Optional[str] = ..., estimator: _Optional[str] = ...) -> None: ...
 
 class AdvisorReply(_message.Message):
     __slots__ = ("plan",)

@@ -205,7 +205,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
         "age": (t_sub[known] - known * bs).astype(np.float32),
         "key_mean": km, "value_norm": vn, "attention": att,
         "times": np.asarray(pick, np.int64), "known": np.asarray(nk, np.int64),
-        "targets": targets, "block_size": bs, "first_block": first, "length": T,
+        "targets": targets, "block_size": bs, "first_block": first, "length": T, "prompt_len": prompt_len,
     }
 
 

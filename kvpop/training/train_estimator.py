@@ -412,6 +412,9 @@ def run(args) -> int:
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
                                "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean")}
+    # Traces cached before they recorded their prompt's length stand at --max-len.
+    longest = max(int(e.get("prompt_len", args.max_len)) for e in data)
+    cfg.max_context = max(longest, cfg.max_context if args.init else 0)
     save(net.cpu(), out)
     png = out.with_name(out.stem + "_loss.png")
     plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)

@@ -44,6 +44,10 @@ class EstimatorConfig:
     n_heads: int = 2
     depth: int = 1                # self-attention layers
     rescore_every: int = 16       # new blocks before the attention part is recomputed for all
+    # The longest prompt (tokens) it was trained on; 0 = not stated. With several
+    # networks loaded, a sequence goes to the one trained on the shortest prompts
+    # that still cover its own (planner.route).
+    max_context: int = 0
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:

@@ -19,16 +19,47 @@ from services.cache_manager.scoring_state import BlockRecord, ScoringState
 log = logging.getLogger(__name__)
 
 CHECKPOINT_NAME = "estimator.safetensors"
+# More networks for the same model, trained on other prompt lengths (e.g. estimator-long.safetensors).
+CHECKPOINT_GLOB = "estimator-*.safetensors"
 
 
-def resolve_checkpoint(setting: str | Path | None) -> Path | None:
-    """'' / None -> the default model's checkpoint; 'none' -> no network (heuristic only)."""
+def resolve_checkpoints(setting: str | Path | None) -> list[Path]:
+    """The checkpoints a setting names, primary first: '' / None -> the default
+    model's folder; 'none' -> none (heuristic only); a folder -> its
+    estimator.safetensors, then every estimator-*.safetensors in it; a
+    comma-separated list -> each of its parts in turn."""
     if setting is None or str(setting) == "":
-        return Path(DEFAULT_MODEL_DIR) / CHECKPOINT_NAME
+        setting = DEFAULT_MODEL_DIR
     if str(setting).lower() == "none":
-        return None
-    p = Path(setting)
-    return p / CHECKPOINT_NAME if p.is_dir() else p
+        return []
+    paths: list[Path] = []
+    for part in str(setting).split(","):
+        p = Path(part.strip())
+        if not part.strip():
+            continue
+        if p.is_dir():
+            found = [p / CHECKPOINT_NAME] if (p / CHECKPOINT_NAME).is_file() else []
+            # A folder without any says "no estimator checkpoint at FOLDER/estimator.safetensors".
+            paths += found + sorted(p.glob(CHECKPOINT_GLOB)) or [p / CHECKPOINT_NAME]
+        else:
+            paths.append(p)
+    return paths
+
+
+def route(scorers: list, prompt_tokens: int):
+    """Which network ranks a sequence: the one trained on the shortest prompts
+    that still cover its prompt; past all of them, one with no stated limit,
+    else the one trained longest. An unknown length (0) takes the first
+    (the primary). Networks fit for short prompts lose answers on long ones and
+    the other way round (docs/estimator.md, "Several networks")."""
+    if len(scorers) <= 1 or prompt_tokens <= 0:
+        return scorers[0] if scorers else None
+    bounded = sorted((s for s in scorers if s.model.cfg.max_context > 0), key=lambda s: s.model.cfg.max_context)
+    for s in bounded:
+        if prompt_tokens <= s.model.cfg.max_context:
+            return s
+    unbounded = [s for s in scorers if s.model.cfg.max_context <= 0]
+    return unbounded[0] if unbounded else bounded[-1]
 
 
 @dataclass
@@ -36,84 +67,104 @@ class Plan:
     evict: np.ndarray    # [L, Hkv, k] block numbers, most evictable first
     covers: int          # one past the highest block number known for the sequence
     ranker: str          # "network" or "heuristic"
+    estimator: str = ""  # the network's checkpoint file name ("" for the heuristic)
 
 
 class Planner:
     def __init__(self, checkpoint: str | Path | None = "", max_plan_blocks: int = 8192, model=None):
-        """checkpoint: path setting (see resolve_checkpoint); model: a ValueEstimator
+        """checkpoint: path setting (see resolve_checkpoints); model: a ValueEstimator
         to use directly (tests, training-time evaluation)."""
-        self.path = resolve_checkpoint(checkpoint) if model is None else None
+        self.paths = resolve_checkpoints(checkpoint) if model is None else []
         self.max_plan_blocks = max_plan_blocks
         self.state = ScoringState()
         self.heuristic = AttentionPerAge()
-        self.scorer = None
-        self.loaded = ""          # what the network came from ('' = heuristic)
+        self.scorers: list = []   # LearnedScorer per network, primary first
+        self.loaded = ""          # what the networks came from ('' = heuristic)
         self.loads = 0
         self._warned: set[tuple] = set()
         if model is not None:
-            self._use(model, "in-memory model")
+            self._use([(model, "in-memory model")])
         else:
             self.reload()
 
-    def _use(self, model, source: str) -> None:
+    @property
+    def scorer(self):
+        """The primary network (None: the heuristic ranks)."""
+        return self.scorers[0] if self.scorers else None
+
+    def _use(self, models: list[tuple], source: str | None = None) -> None:
         from services.cache_manager.estimator import LearnedScorer
 
-        self.scorer = LearnedScorer(model)
-        self.loaded = source
+        scorers = []
+        for model, label in models:
+            sc = LearnedScorer(model)
+            sc.label = label
+            self._warm_up(sc)
+            scorers.append(sc)
+        self.scorers = scorers
+        self.loaded = source or " + ".join(label for _, label in models)
         self.loads += 1
-        self._warm_up()
 
-    def _warm_up(self) -> None:
+    @staticmethod
+    def _warm_up(scorer) -> None:
         """Score a throwaway sequence once: torch's first calls are slow, and the
         first plans after a (re)start must not come later than compute waits."""
         from services.cache_manager.scoring_state import SequenceState
 
-        c = self.scorer.model.cfg
+        c = scorer.model.cfg
         seq, rng = SequenceState("\x00warm-up"), np.random.default_rng(0)
-        for b in range(2 * self.scorer.rescore_every + 1):
+        for b in range(2 * scorer.rescore_every + 1):
             seq.add(BlockRecord(b, 16 * b, 16, rng.standard_normal((c.num_layers, c.num_kv_heads, c.head_dim),
                                                                    dtype=np.float32),
                                 np.ones((c.num_layers, c.num_kv_heads), np.float32),
                                 np.ones((c.num_layers, c.num_kv_heads), np.float32)))
             if b % 4 == 0:
-                self.scorer.score(seq)
+                scorer.score(seq)
 
     def reload(self) -> str:
-        """(Re)load the checkpoint. A missing or broken file keeps the current
+        """(Re)load the checkpoints. A missing or broken file keeps the current
         policy (the heuristic at start) and says so; returns the log line."""
         from services.cache_manager.estimator import load
 
-        if self.path is None:
+        if not self.paths:
             msg = "no estimator configured: ranking blocks with the attention-per-age heuristic"
             log.info(msg)
             return msg
+        models = []
         try:
-            model = load(self.path)
+            for path in self.paths:
+                models.append((load(path), path))
         except ValueError as e:
-            now = "the network from " + self.loaded if self.scorer else "the attention-per-age heuristic"
+            now = "the network from " + self.loaded if self.scorers else "the attention-per-age heuristic"
             msg = f"estimator not loaded ({e}); ranking blocks with {now}"
             log.warning(msg)
             return msg
-        digest = hashlib.sha256(self.path.read_bytes()).hexdigest()[:12]
-        self._use(model, f"{self.path} sha256:{digest}")
-        c = model.cfg
-        msg = (f"estimator loaded from {self.loaded} (L={c.num_layers} Hkv={c.num_kv_heads} d={c.head_dim}, "
-               f"d_model={c.d_model} depth={c.depth}, {sum(p.numel() for p in model.parameters())} parameters)")
-        log.info(msg)
+        labels = [f"{path} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:12]}" for _, path in models]
+        self._use([(m, path.name) for m, path in models], " + ".join(labels))
+        lines = []
+        for (model, path), label in zip(models, labels):
+            c = model.cfg
+            lines.append(f"estimator loaded from {label} (L={c.num_layers} Hkv={c.num_kv_heads} d={c.head_dim}, "
+                         f"d_model={c.d_model} depth={c.depth}, {sum(p.numel() for p in model.parameters())} "
+                         f"parameters, prompts up to {c.max_context or 'any length'})")
+        msg = "\n".join(lines)
+        for line in lines:
+            log.info(line)
         return msg
 
     @property
     def policy_name(self) -> str:
-        return "learned" if self.scorer is not None else self.heuristic.name
+        return "learned" if self.scorers else self.heuristic.name
 
-    def apply(self, request_id: str, records: list[BlockRecord]) -> Plan:
+    def apply(self, request_id: str, records: list[BlockRecord], prompt_tokens: int = 0) -> Plan:
         """Fold in a batch of features and rank every known block of the
         sequence (most evictable first), saying what ranked them. ValueError
         for features inconsistent with the sequence's earlier ones."""
-        self.add(request_id, records)
+        self.add(request_id, records, prompt_tokens=prompt_tokens)
         return self.plan(request_id)
 
-    def add(self, request_id: str, records: list[BlockRecord], gone: np.ndarray | None = None) -> None:
+    def add(self, request_id: str, records: list[BlockRecord], gone: np.ndarray | None = None,
+            prompt_tokens: int = 0) -> None:
         """Fold in a batch of features and the blocks compute's rows evicted
         since its last batch (ValueError if inconsistent)."""
         for r in records:
@@ -124,6 +175,8 @@ class Planner:
         seq = self.state.get(request_id)
         for r in records:
             seq.add(r)
+        if prompt_tokens > 0:
+            seq.prompt_tokens = int(prompt_tokens)
         if gone is not None:
             seq.mark_gone(gone)
         if records and records[-1].block > 0:
@@ -133,7 +186,7 @@ class Planner:
         """Say once per block size when the network was trained on others: at block
         sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked
         below the keydiff heuristic in our eval (docs/evaluation.md)."""
-        trained = (self.scorer.model.cfg.trained.get("block_sizes") or []) if self.scorer is not None else []
+        trained = sorted({b for sc in self.scorers for b in sc.model.cfg.trained.get("block_sizes") or []})
         key = ("block_size", block_size)
         if trained and block_size not in trained and key not in self._warned:
             self._warned.add(key)
@@ -144,12 +197,13 @@ class Planner:
     def plan(self, request_id: str) -> Plan:
         """Rank every known block of the sequence, most evictable first."""
         seq = self.state.get(request_id)
-        scores = None
-        if self.scorer is not None:
+        scores, scorer = None, None
+        if self.scorers:
             shape = seq.arrays()["key_mean"].shape[1:]
-            if self.scorer.compatible(*shape):
+            scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens)
+            if scorer is not None:
                 try:
-                    scores = self.scorer.score(seq)
+                    scores = scorer.score(seq)
                 except Exception:  # noqa: BLE001 - a network failure must not cost the plan
                     seq.cache.clear()
                     log.exception("estimator failed on %s; ranking it with the heuristic", request_id)
@@ -157,14 +211,15 @@ class Planner:
                 self._warned.add(shape)
                 log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
                             "for such sequences", self.loaded, shape)
-        ranker = "network"
+        ranker, estimator = "network", scorer.label if scorer is not None else ""
         if scores is None:
-            scores, ranker = self.heuristic.score(seq), "heuristic"
+            scores, ranker, estimator = self.heuristic.score(seq), "heuristic", ""
         a = seq.arrays()
         # Blocks a row no longer holds go last: the plan's first names are ones it can evict.
         scores = np.where(a["gone"], np.inf, scores) if "gone" in a else scores
         blocks = a["block"]
-        return Plan(plan(seq, scores, self.max_plan_blocks), int(blocks.max()) + 1 if len(blocks) else 0, ranker)
+        return Plan(plan(seq, scores, self.max_plan_blocks), int(blocks.max()) + 1 if len(blocks) else 0, ranker,
+                    estimator)
 
     def drop(self, request_id: str) -> None:
         self.state.drop(request_id)

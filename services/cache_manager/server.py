@@ -4,11 +4,12 @@ Features batches update per-sequence scoring state; each batch is answered with
 an eviction plan for that sequence. A malformed message is logged and skipped:
 failing the stream would drop the plans of every other sequence on it.
 
-Blocks are ranked by the value-estimation network loaded at start from
+Blocks are ranked by the value-estimation network(s) loaded at start from
 ``KVPOP_ESTIMATOR`` (default: ``models/default/estimator.safetensors``), or by
-the attention-per-age heuristic when there is no usable checkpoint.
-SIGHUP reloads the checkpoint without a restart (new plans use it at once;
-a broken file keeps the current policy).
+the attention-per-age heuristic when there is no usable checkpoint. With
+several networks, each sequence is ranked by the one trained for its prompt's
+length (planner.route). SIGHUP reloads them without a restart (new plans use
+them at once; a broken file keeps the current policy).
 """
 from __future__ import annotations
 
@@ -70,13 +71,14 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                value_norm=from_float_array(b.value_norm),
                                attention=from_float_array(b.attention)) for b in batch.blocks]
         gone = from_int_array(batch.gone) if batch.HasField("gone") else None
-        self.planner.add(batch.request_id, records, gone)
+        self.planner.add(batch.request_id, records, gone, batch.prompt_tokens)
 
     def _plan(self, request_id: str) -> pb.AdvisorReply:
         plan = self.planner.plan(request_id)
         self.plans_sent += 1
         return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=request_id, evict=to_int_array(plan.evict),
-                                                    covers=plan.covers, ranker=plan.ranker))
+                                                    covers=plan.covers, ranker=plan.ranker,
+                                                    estimator=plan.estimator))
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
         """Messages are read by a task into a queue; each round folds every
@@ -134,7 +136,8 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                         with get_metrics().scoring_latency.time():
                             reply = self._plan(rid)
                         span.set_attribute("kvpop.ranker", reply.plan.ranker)
-                    get_metrics().plans_sent.inc()
+                        span.set_attribute("kvpop.estimator", reply.plan.estimator)
+                    get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
                     yield reply
                 if msgs[-1] is None:
                     return

@@ -42,6 +42,7 @@ class BlockFeatures:
     value_norm: torch.Tensor      # [L, Hkv]
     attention: torch.Tensor       # [L, Hkv] accumulated attention received so far
     age: int                      # tokens since the block's first position
+    prompt_tokens: int = 0        # the sequence's prompt length: picks the network trained for it
 
 
 @dataclass
@@ -50,6 +51,7 @@ class EvictionPlan:
     evict: torch.Tensor | None    # [L, Hkv, k] logical block numbers, most evictable first (-1 = pad)
     covers: int = 0               # one past the highest block the advisor knew when it ranked
     ranker: str = "network"       # "network" | "heuristic"
+    estimator: str = ""           # which network ranked it (checkpoint file name)
     error: str = ""               # a fallback reason (MALFORMED_PLAN) when the plan is unusable
 
     @property

@@ -115,7 +115,8 @@ class AdvisorClient:
             if gone is not None and 4 * gone.numel() + per_block * len(parts[0]) > MAX_PART_BYTES:
                 parts.insert(0, [])     # a long context's evicted-block list travels in a part of its own
             for i, part in enumerate(parts):
-                batch = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1, blocks=[pb.BlockFeatures(
+                batch = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1,
+                                         prompt_tokens=feats[0].prompt_tokens, blocks=[pb.BlockFeatures(
                     block=f.block, position=f.position, age=f.age,
                     key_mean=to_float_array(f.key_mean.float().numpy()),
                     value_norm=to_float_array(f.value_norm.float().numpy()),
@@ -142,7 +143,7 @@ class AdvisorClient:
         p = reply.plan
         try:
             evict = torch.from_numpy(from_int_array(p.evict).copy())
-            plan = EvictionPlan(p.request_id, evict, p.covers, p.ranker or "network")
+            plan = EvictionPlan(p.request_id, evict, p.covers, p.ranker or "network", p.estimator)
         except ValueError as e:
             # The sequence falls back now (reason malformed_plan) instead of waiting out its bound.
             log.warning("malformed plan for %s: %s", p.request_id, e)

@@ -76,8 +76,8 @@ def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFe
         L, H, d, bs, n = seq.num_layers, seq.num_kv_heads, seq.head_dim, seq.block_size, seq.num_cached
         rows = host[at:at + len(r)].view(len(r), L, H, d + 2) if len(r) else []
         at += len(r)
-        out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs)
-                    for b, x in zip(r, rows)])
+        out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs,
+                                  seq.num_prompt) for b, x in zip(r, rows)])
     return out
 
 
@@ -111,4 +111,4 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     seq.gone = [gone.to(torch.int32).cpu()] if k else []
     km, vn, att = km.cpu(), vn.cpu(), att.cpu()
     return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
-                          n - (first + j) * bs) for j in present]
+                          n - (first + j) * bs, seq.num_prompt) for j in present]

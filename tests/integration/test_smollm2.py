@@ -117,8 +117,12 @@ def test_fetch_is_cached_and_complete(model_dir):
     assert "<|im_start|>assistant" in tok_cfg["chat_template"] and tok_cfg["eos_token"] == "<|im_end|>"
     info = json.loads((model_dir / "kvpop_model.json").read_text())
     assert info["gguf_sha256"] == KNOWN_MODELS[NAME].sha256
-    est = json.loads((model_dir / "estimator.json").read_text())     # the shipped network, placed by fetch
+    est = json.loads((model_dir / "estimator.json").read_text())     # the shipped networks, placed by fetch
+    long_ = json.loads((model_dir / "estimator-long.json").read_text())
     assert (est["num_layers"], est["num_kv_heads"], est["head_dim"]) == (30, 3, 64)
+    assert (long_["num_layers"], long_["num_kv_heads"], long_["head_dim"]) == (30, 3, 64)
+    # Routed by prompt length: the 1k-2k network up to its longest traced prompt, the 1k-8k one past it.
+    assert 2048 <= est["max_context"] < long_["max_context"] <= 8192
 
 
 def test_weights_equal_transformers_gguf_conversion(model_dir, gguf_reference):
@@ -296,6 +300,26 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
                                       policy="learned", budget_tokens=160, evict_after_prompt=after)
                 assert usage.kv_blocks_evicted > 0, usage
                 assert usage.network_evictions == usage.kv_blocks_evicted and usage.fallback_evictions == 0, usage
+            # Both shipped networks are loaded; a prompt past the short one's longest goes to the long one.
+            import urllib.request
+
+            def plans_by_network() -> dict:
+                url = json.loads((tmp_path / "state" / "stack.json").read_text())["metrics"]["cache-manager"]
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    lines = r.read().decode().splitlines()
+                return {ln.split('estimator="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
+                        for ln in lines if ln.startswith("kvpop_eviction_plans_sent_total{")}
+            cm_log = (tmp_path / "state" / "logs" / "cache-manager.log").read_text()
+            assert cm_log.count("estimator loaded from") == 2 and "estimator-long.safetensors" in cm_log
+            before = plans_by_network()
+            assert before.get("estimator.safetensors", 0) > 0 and not before.get("estimator-long.safetensors")
+            long_needle = ruler.generate("needle", 5, 2400, engine.tokenizer)
+            _, usage, _ = chat(*[(m["role"], m["content"]) for m in long_needle.messages], max_tokens=4,
+                               policy="learned", budget_tokens=256)
+            assert usage.prompt_tokens > 2100 and usage.network_evictions == usage.kv_blocks_evicted > 0, usage
+            after_long = plans_by_network()
+            assert after_long["estimator-long.safetensors"] > 0, after_long
+            assert after_long["estimator.safetensors"] == before["estimator.safetensors"], (before, after_long)
 
             for messages, words in [
                 ((("tool", "hi"),), "messages[0].role must be one of system, user, assistant"),

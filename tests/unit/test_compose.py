@@ -93,6 +93,12 @@ def test_services_and_structure(compose):
     # The default mount is the embedded model, which must exist.
     host_dir = (COMPOSE_DIR / _default(mount.rsplit(":", 2)[0])).resolve()
     assert (host_dir / "config.json").is_file()
+    # The cache-manager reads the served model's own networks from the same host folder.
+    cm = svcs["cache-manager"]
+    cm_dir = _default(_env(cm)["KVPOP_ESTIMATOR"])
+    [cm_mount] = [v for v in cm["volumes"] if v.split(":")[-2] == cm_dir]
+    assert cm_mount.rsplit(":", 2)[0] == mount.rsplit(":", 2)[0] and cm_mount.endswith(":ro")
+    assert (host_dir / "estimator.safetensors").is_file()
 
     for name in OURS:
         build = svcs[name]["build"]
@@ -223,6 +229,8 @@ class LocalStack:
             # What the default volume mounts; no GPU here.
             env.update(KVPOP_MODEL_DIR=str(REPO / "models" / "default"), KVPOP_DEVICE="cpu",
                        KVPOP_MAX_NUM_SEQS="4", KVPOP_MAX_MODEL_LEN="512")
+        if name == "cache-manager":
+            env.update(KVPOP_ESTIMATOR=str(REPO / "models" / "default"))
         return {k: v for k, v in env.items() if v != "" or not k.startswith("KVPOP_")}
 
     def start(self, name: str) -> None:

@@ -232,6 +232,8 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     cfg = load(out).cfg
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 16)
     assert cfg.trained["held_out"]["decisions"] > 0 and cfg.trained["traces"] >= 5
+    # The longest traced prompt: what the cache-manager routes by (about --max-len).
+    assert 64 * 0.9 <= cfg.max_context <= 96 * 1.1, cfg.max_context
     assert Planner(tmp_path / "m").policy_name == "learned"     # a model folder resolves to its checkpoint
     assert (tmp_path / "traces.pt").exists()
     # --init continues from that checkpoint (its shape wins over --d-model) on the cached traces.
@@ -240,6 +242,7 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
                "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--init", str(out), "--out", str(out2)])
     again = load(out2).cfg
     assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
+    assert again.max_context == cfg.max_context
     # A checkpoint for another model's shape is refused with a message, not a traceback.
     other = tmp_path / "other.safetensors"
     save(ValueEstimator(EstimatorConfig(3, 2, 16, d_model=8)), other)
@@ -319,3 +322,41 @@ def test_planner_warns_once_about_a_block_size_the_network_was_not_trained_on(ca
             assert send(rid, bs, range(1, 12)).ranker == "network"
     said = [r.getMessage() for r in caplog.records if "trained at block sizes" in r.getMessage()]
     assert len(said) == 1 and f"block size {untrained}," in said[0], said
+
+
+def test_planner_routes_each_sequence_to_the_network_trained_for_its_prompt_length(tmp_path):
+    """A folder's estimator.safetensors and estimator-*.safetensors load
+    together; each sequence is ranked by the network trained on the shortest
+    prompts that cover its own (past all of them, the one trained longest; an
+    unknown length, the primary), exactly as that network alone ranks it."""
+    from services.cache_manager.planner import Planner, resolve_checkpoints
+
+    short, long_ = _net(1, max_context=100), _net(2, max_context=1000)
+    save(short, tmp_path / "estimator.safetensors")
+    save(long_, tmp_path / "estimator-long.safetensors")
+    assert resolve_checkpoints(tmp_path) == [tmp_path / "estimator.safetensors", tmp_path / "estimator-long.safetensors"]
+    assert resolve_checkpoints("none") == []
+    planner = Planner(tmp_path)
+    assert planner.policy_name == "learned" and len(planner.scorers) == 2 and " + " in planner.loaded
+    a = _arrays(40, seed=5)
+    recs = _records(a, 0, 40)
+    alone = {net: Planner(model=net).apply("x", recs).evict for net in (short, long_)}
+    assert not np.array_equal(alone[short], alone[long_])
+    for rid, prompt_tokens, want, name in (("s", 80, short, "estimator.safetensors"),
+                                            ("edge", 100, short, "estimator.safetensors"),
+                                            ("l", 101, long_, "estimator-long.safetensors"),
+                                            ("past", 5000, long_, "estimator-long.safetensors"),
+                                            ("unknown", 0, short, "estimator.safetensors")):
+        got = planner.apply(rid, recs, prompt_tokens)
+        assert got.estimator == name and np.array_equal(got.evict, alone[want]), rid
+    # A comma-separated list: its first is the primary; a network with no stated
+    # limit takes what the bounded ones do not cover.
+    save(_net(3), tmp_path / "any.safetensors")
+    anyp = Planner(f"{tmp_path / 'any.safetensors'},{tmp_path / 'estimator.safetensors'}")
+    assert [anyp.apply(r, recs, n).estimator for r, n in (("u", 0), ("s", 80), ("l", 500))] == \
+        ["any.safetensors", "estimator.safetensors", "any.safetensors"]
+    # A network for another model's rows never takes a sequence, however it fits the length.
+    torch.manual_seed(4)
+    save(ValueEstimator(EstimatorConfig(L + 1, H, D, d_model=16, max_context=50)), tmp_path / "estimator-x.safetensors")
+    mixed = Planner(tmp_path)
+    assert len(mixed.scorers) == 3 and mixed.apply("s", recs, 40).estimator == "estimator.safetensors"

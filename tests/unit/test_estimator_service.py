@@ -307,3 +307,52 @@ def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, m
     finally:
         asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, manager):
+    """The engine stamps every block's features with its sequence's prompt
+    length; AdvisorClient carries it in the batch; a cache-manager serving a
+    folder of two networks ranks each sequence with the one trained for that
+    length and names it in the plan."""
+    import asyncio
+    import threading
+
+    from services.compute.advisor_client import AdvisorClient
+
+    torch.manual_seed(1)
+    save(ValueEstimator(EstimatorConfig(L, H, D, d_model=16, max_context=100)), tmp_path / "estimator.safetensors")
+    torch.manual_seed(2)
+    save(ValueEstimator(EstimatorConfig(L, H, D, d_model=16, max_context=1000)),
+         tmp_path / "estimator-long.safetensors")
+    # In process, the engine's features carry the prompt's length.
+    seen = []
+
+    class Recording(LocalAdvisor):
+        def submit(self, features, gone=None):
+            seen.extend(f.prompt_tokens for f in features)
+            super().submit(features, gone)
+    _run_learned(Recording(tmp_path), random_prompt(90, seed=3))
+    assert seen and set(seen) == {90}
+
+    cm = manager(str(tmp_path))
+    assert cm.log_count("estimator loaded from") == 2
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    client = AdvisorClient(f"127.0.0.1:{cm.port}", loop)
+    loop.call_soon_threadsafe(client.start)
+    try:
+        _wait(lambda: client.connected, 30, "the advisor stream")
+        recs = _records(20, seed=6)
+        for rid, prompt_tokens, want in (("short", 90, "estimator.safetensors"),
+                                         ("long", 900, "estimator-long.safetensors")):
+            client.submit([BlockFeatures(rid, r.block, r.position, torch.from_numpy(r.key_mean),
+                                         torch.from_numpy(r.value_norm), torch.from_numpy(r.attention), r.age,
+                                         prompt_tokens) for r in recs])
+            plans = {}
+            _wait(lambda: plans.update(client.take_plans()) or rid in plans, 30, "the plan")
+            local = Planner(tmp_path).apply(rid, recs, prompt_tokens)
+            assert plans[rid].estimator == want == local.estimator
+            assert np.array_equal(plans[rid].evict.numpy(), local.evict)
+    finally:
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)

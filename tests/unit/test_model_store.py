@@ -101,10 +101,18 @@ def test_fetch_places_the_shipped_estimator_once_and_never_over_a_users(home):
     # A complete folder without the network: fetching again places it (no download).
     assert fetch(NAME, progress=False, log=lambda m: None) == (folder, True)
     assert (folder / ESTIMATOR_FILES[0]).read_bytes() == shipped.read_bytes()
+    # The networks for other prompt lengths come beside it, as estimator-SUFFIX.
+    for suffix, name in KNOWN_MODELS[NAME].more_estimators:
+        for ext in (".safetensors", ".json"):
+            assert (folder / f"estimator-{suffix}{ext}").read_bytes() == (SHIPPED_ESTIMATORS / f"{name}{ext}").read_bytes()
     assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
     (folder / ESTIMATOR_FILES[0]).write_bytes(b"mine")     # a user's own train-estimator output stays
     assert fetch(NAME, progress=False, log=lambda m: None) == (folder, False)
     assert (folder / ESTIMATOR_FILES[0]).read_bytes() == b"mine"
+    # A lost extra network is placed again; the user's primary still stays.
+    (folder / "estimator-long.safetensors").unlink()
+    assert fetch(NAME, progress=False, log=lambda m: None) == (folder, True)
+    assert (folder / "estimator-long.safetensors").is_file() and (folder / ESTIMATOR_FILES[0]).read_bytes() == b"mine"
 
 
 def test_fetch_upgrades_an_older_shipped_estimator_but_not_a_users(home):
@@ -134,8 +142,10 @@ def test_estimator_arg_takes_a_file_or_a_shipped_name(tmp_path, monkeypatch):
     own = tmp_path / "mine.safetensors"
     own.write_bytes(b"x")
     monkeypatch.chdir(tmp_path)
-    assert estimator_arg("mine.safetensors") == own.resolve()          # a path wins over a name
-    assert estimator_arg("smollm2-135m-long") == SHIPPED_ESTIMATORS / "smollm2-135m-long.safetensors"
-    for bad in ("smollm2-135m-short", "sub/smollm2-135m"):
+    assert estimator_arg("mine.safetensors") == str(own.resolve())     # a path wins over a name
+    assert estimator_arg("smollm2-135m-long") == str(SHIPPED_ESTIMATORS / "smollm2-135m-long.safetensors")
+    assert estimator_arg("smollm2-135m, mine.safetensors") == ",".join(
+        [str(SHIPPED_ESTIMATORS / "smollm2-135m.safetensors"), str(own.resolve())])
+    for bad in ("smollm2-135m-short", "sub/smollm2-135m", "smollm2-135m,nope"):
         with pytest.raises(argparse.ArgumentTypeError, match="not a shipped estimator"):
             estimator_arg(bad)
