@@ -149,6 +149,11 @@ def run(args) -> int:
     report.write(rows, families, out, meta)
     print(report.markdown(rows, families))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
+    if failed:
+        print(f"{len(failed)} of {len(outcomes)} requests failed and count as wrong answers:")
+        for key, e in errors.items():
+            print(f"  {key}: {e['count']} failed, e.g. {e['first']}")
+        return 1
     return 0
 
 
@@ -195,9 +200,15 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
         harness.close()
     rows = report.records(outcomes, families)
     decisions = {f"{p}@{c}": d for (p, c), d in sorted(harness.decisions.items()) if d.get("evicted")}
+    failed = [o for o in outcomes if o.error]
+    errors: dict[str, dict] = {}
+    for o in failed:
+        e = errors.setdefault(f"{o.setting.policy}@{o.setting.compression}", {"count": 0, "first": o.error})
+        e["count"] += 1
     meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
             "block_size": info.block_size, "plan_interval": info.plan_interval, "sink": args.sink,
-            "recent": args.recent, "seconds": round(time.time() - t0, 1), "decisions": decisions}
+            "recent": args.recent, "seconds": round(time.time() - t0, 1), "decisions": decisions,
+            "errors": errors}
     out = Path(args.out)
     report.write(rows, families, out, meta)
     print(report.markdown(rows, families))

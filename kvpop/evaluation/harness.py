@@ -67,6 +67,7 @@ class Outcome:
     logprobs: list = field(default_factory=list)   # teacher-forced rows (kept for dense only)
     kl: list = field(default_factory=list)         # per solution position, KL(dense || this)
     budget: int | None = None
+    error: str = ""            # served only: the request failed ("CODE: details"); counted as not correct
 
 
 def budget_tokens(inst: Instance, compression: float, minimum: int) -> int:

@@ -52,12 +52,18 @@ class ServedHarness:
 
     def _run_one(self, o: Outcome) -> None:
         text, ids, usage = [], 0, None
-        for msg in self.stub.Generate(self._request(o), timeout=self.timeout):
-            if msg.HasField("chunk"):
-                text.append(msg.chunk.text)
-                ids += len(msg.chunk.token_ids)
-            else:
-                usage = msg.finished.usage
+        try:
+            for msg in self.stub.Generate(self._request(o), timeout=self.timeout):
+                if msg.HasField("chunk"):
+                    text.append(msg.chunk.text)
+                    ids += len(msg.chunk.token_ids)
+                else:
+                    usage = msg.finished.usage
+        except grpc.RpcError as e:
+            # One refused request (a pool too small for it, a prompt past the model's
+            # length) is that request's result; the rest of the eval still runs.
+            o.error = f"{e.code().name}: {e.details()}"
+            return
         o.text = "".join(text)
         o.generated = ids
         o.correct = is_correct(o.instance, o.text)
@@ -76,7 +82,7 @@ class ServedHarness:
         bar = tqdm(total=len(outcomes), desc=desc, dynamic_ncols=True, mininterval=2)
         with ThreadPoolExecutor(self.concurrency) as pool:
             for fut in as_completed([pool.submit(self._run_one, o) for o in outcomes]):
-                fut.result()   # a failed request fails the eval, with its gRPC status
+                fut.result()
                 bar.update(1)
         bar.close()
         return outcomes     # no KL: the served path has no teacher-forced pass (the table shows "-")

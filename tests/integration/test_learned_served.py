@@ -177,3 +177,25 @@ def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
     d = meta["decisions"]["learned@0.75"]
     assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
     assert meta["block_size"] == compute_info(served).model.block_size and (out / "accuracy.png").is_file()
+
+
+def test_eval_via_goes_on_past_a_refused_request(served):
+    """A request the stack refuses (here a prompt past the model's 4,096-token
+    length) is that request's result, with its status; the others still run."""
+    import dataclasses
+
+    from kvpop.evaluation.harness import Setting
+    from kvpop.evaluation.served import ServedHarness
+
+    good = suite.test_set(1, ["passkey", "registers"], 5, 200, 300)[:2]
+    too_long = dataclasses.replace(good[0], prompt=" ".join([good[0].prompt] * 40))
+    harness = ServedHarness(served.gateway)
+    try:
+        outcomes = harness.run([Setting("dense", 0.0)], [good[0], too_long, good[1]])
+    finally:
+        harness.close()
+    by_prompt = {id(o.instance): o for o in outcomes}
+    refused = by_prompt[id(too_long)]
+    assert refused.error.split(":")[0] in ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT") and not refused.correct
+    assert "4096" in refused.error, refused.error
+    assert all(not by_prompt[id(g)].error and by_prompt[id(g)].correct for g in good), outcomes
