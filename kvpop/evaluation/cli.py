@@ -149,11 +149,6 @@ def run(args) -> int:
     report.write(rows, families, out, meta)
     print(report.markdown(rows, families))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
-    if failed:
-        print(f"{len(failed)} of {len(outcomes)} requests failed and count as wrong answers:")
-        for key, e in errors.items():
-            print(f"  {key}: {e['count']} failed, e.g. {e['first']}")
-        return 1
     return 0
 
 
@@ -217,4 +212,9 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
             print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
                   f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
+    if failed:
+        print(f"{len(failed)} of {len(outcomes)} requests failed and count as wrong answers:")
+        for key, e in errors.items():
+            print(f"  {key}: {e['count']} failed, e.g. {e['first']}")
+        return 1
     return 0
