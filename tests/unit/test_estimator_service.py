@@ -4,6 +4,7 @@ broken file and falls back to the heuristic without one; the in-process
 LocalAdvisor gives the same plans and keeps the advisor protocol."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import os
@@ -265,23 +266,33 @@ def test_a_batch_in_parts_is_planned_once_after_its_last_part(tmp_path, manager)
     assert second.plan.request_id == "b"
 
 
-def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, manager):
-    """A 512-token chunk of 1-token blocks on a 30-layer, 3-kv-head, d=64 model is
-    ~12 MB of features: the client sends it in parts under the cache-manager's
-    default 4 MB limit, and a plan comes back on the same stream (before, the
-    stream broke with RESOURCE_EXHAUSTED and every plan fell back)."""
+@contextlib.contextmanager
+def _connected_client(port: int):
+    """compute's AdvisorClient on a loop of its own, its stream up."""
     import asyncio
     import threading
 
     from services.compute.advisor_client import AdvisorClient
 
-    cm = manager("none")
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    client = AdvisorClient(f"127.0.0.1:{cm.port}", loop)
+    client = AdvisorClient(f"127.0.0.1:{port}", loop)
     loop.call_soon_threadsafe(client.start)
     try:
         _wait(lambda: client.connected, 30, "the advisor stream")
+        yield client
+    finally:
+        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+
+
+def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, manager):
+    """A 512-token chunk of 1-token blocks on a 30-layer, 3-kv-head, d=64 model is
+    ~12 MB of features: the client sends it in parts under the cache-manager's
+    default 4 MB limit, and a plan comes back on the same stream (before, the
+    stream broke with RESOURCE_EXHAUSTED and every plan fell back)."""
+    cm = manager("none")
+    with _connected_client(cm.port) as client:
         rng = np.random.default_rng(0)
         feats = [BlockFeatures("big", b, b, torch.from_numpy(rng.normal(size=(30, 3, 64)).astype(np.float32)),
                                torch.ones(30, 3), torch.from_numpy(rng.random((30, 3)).astype(np.float32)), 600 - b)
@@ -304,9 +315,6 @@ def test_advisor_client_splits_a_batch_larger_than_the_message_limit(tmp_path, m
         assert not set(named[:600]) & set(range(4, 404)) and set(named[-400:]) == set(range(4, 404))
         assert client.stats["reconnects"] == 0 and client.connected
         assert "RESOURCE_EXHAUSTED" not in cm.log.read_text()
-    finally:
-        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
 
 
 def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, manager):
@@ -314,11 +322,6 @@ def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, 
     length; AdvisorClient carries it in the batch; a cache-manager serving a
     folder of two networks ranks each sequence with the one trained for that
     length and names it in the plan."""
-    import asyncio
-    import threading
-
-    from services.compute.advisor_client import AdvisorClient
-
     torch.manual_seed(1)
     save(ValueEstimator(EstimatorConfig(L, H, D, d_model=16, max_context=100)), tmp_path / "estimator.safetensors")
     torch.manual_seed(2)
@@ -336,12 +339,7 @@ def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, 
 
     cm = manager(str(tmp_path))
     assert cm.log_count("estimator loaded from") == 2
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    client = AdvisorClient(f"127.0.0.1:{cm.port}", loop)
-    loop.call_soon_threadsafe(client.start)
-    try:
-        _wait(lambda: client.connected, 30, "the advisor stream")
+    with _connected_client(cm.port) as client:
         recs = _records(20, seed=6)
         for rid, prompt_tokens, want in (("short", 90, "estimator.safetensors"),
                                          ("long", 900, "estimator-long.safetensors")):
@@ -353,6 +351,3 @@ def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, 
             local = Planner(tmp_path).apply(rid, recs, prompt_tokens)
             assert plans[rid].estimator == want == local.estimator
             assert np.array_equal(plans[rid].evict.numpy(), local.evict)
-    finally:
-        asyncio.run_coroutine_threadsafe(client.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
