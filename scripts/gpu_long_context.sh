@@ -60,7 +60,8 @@ pack
 # The model folder with the new estimator, for the in-process eval.
 NEW="$WORK/smol_new"; mkdir -p "$NEW"
 for f in "$MODEL"/*; do ln -sf "$f" "$NEW/"; done
-rm -f "$NEW/estimator.safetensors" "$NEW/estimator.json"
+# Only the new network: the shipped ones beside it would take the prompts they were trained for.
+rm -f "$NEW"/estimator*.safetensors "$NEW"/estimator*.json
 cp "$EST" "$NEW/estimator.safetensors"; cp "${EST%.safetensors}.json" "$NEW/estimator.json"
 log "estimator trained; evaluating"
 
