@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.cache_manager.estimator import (EstimatorConfig, LearnedScorer, ValueEstimator, load, row_ids,
+from services.cache_manager.estimator import (N_SCALARS, EstimatorConfig, LearnedScorer, ValueEstimator, load, row_ids,
                                               rows_from_arrays, save)
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
 
@@ -243,6 +243,12 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     again = load(out2).cfg
     assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
     assert again.max_context == cfg.max_context
+    # --cross-rows added to a trained network: it starts as that network and keeps its shape.
+    out3 = tmp_path / "cross.safetensors"
+    rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--threads", "1",
+               "--traces", str(tmp_path / "traces.pt"), "--init", str(out), "--cross-rows", "--out", str(out3)])
+    crossed = load(out3).cfg
+    assert rc == 0 and crossed.cross_rows and crossed.d_model == cfg.d_model and crossed.trained["cross_rows"]
     # A checkpoint for another model's shape is refused with a message, not a traceback.
     other = tmp_path / "other.safetensors"
     save(ValueEstimator(EstimatorConfig(3, 2, 16, d_model=8)), other)
@@ -360,3 +366,53 @@ def test_planner_routes_each_sequence_to_the_network_trained_for_its_prompt_leng
     save(ValueEstimator(EstimatorConfig(L + 1, H, D, d_model=16, max_context=50)), tmp_path / "estimator-x.safetensors")
     mixed = Planner(tmp_path)
     assert len(mixed.scorers) == 3 and mixed.apply("s", recs, 40).estimator == "estimator.safetensors"
+
+
+def _cross_synthetic(n_seq, rng):
+    """Traces whose true future mass of a block, in every row, is set by its key in
+    the last row only: the other rows' own features are noise for their targets."""
+    out = []
+    for _ in range(n_seq):
+        n = int(rng.integers(16, 40))
+        a = _arrays(n, seed=int(rng.integers(1 << 30)))
+        t = np.exp(3 * a["key_mean"][:, L - 1, H - 1, 0]).astype(np.float32)          # [n]
+        tgt = np.broadcast_to(t, (L, H, n)).copy()
+        out.append({**a, "times": np.array([n * 4 + 200]), "known": np.array([n]), "targets": [tgt / t.sum()]})
+    return out
+
+
+def test_cross_rows_let_a_row_use_what_only_another_row_shows():
+    """With cross_rows each block's embedding also sees its features in every
+    row: it learns a ranking carried by another row's key, which a row-local
+    network cannot; added to a trained network it starts as that network, and
+    the incremental scorer stays exact."""
+    from kvpop.training.train_estimator import evaluate, train
+
+    rng = np.random.default_rng(1)
+    tr, va = _cross_synthetic(48, rng), _cross_synthetic(8, rng)
+    mass = {}
+    for cross in (False, True):
+        torch.manual_seed(0)
+        net = ValueEstimator(EstimatorConfig(L, H, D, d_model=16, cross_rows=cross))
+        train(net, tr, va, minutes=1.0, lr=3e-3, seed=0, eval_every_s=1e9, progress=False, max_steps=250)
+        mass[cross] = evaluate(net, va)["mass_at_k"]["learned"]["mean"]
+    assert mass[True] > mass[False] + 0.1, mass
+
+    plain = _net(2)
+    grown = ValueEstimator(EstimatorConfig(L, H, D, d_model=16, cross_rows=True)).eval()
+    missing, _ = grown.load_state_dict(plain.state_dict(), strict=False)
+    assert missing and all(k.startswith("cross_") for k in missing)
+    a = _arrays(30, seed=3)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        torch.nn.init.normal_(grown.cross_out.weight, std=0.3)
+        full = grown(*rows_from_arrays(a), layer, head)                  # [R, n]
+    seq = ScoringState().get("x")
+    for r in _records(a, 0, 30):
+        seq.add(r)
+    live = LearnedScorer(grown).score(seq)                              # [n, L, H]
+    assert np.allclose(live, full.view(L, H, 30).permute(2, 0, 1).numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="all 4 rows"):
+        grown.embed(torch.zeros(3, 5, D), torch.zeros(3, 5, N_SCALARS), torch.zeros(3, dtype=torch.long),
+                    torch.zeros(3, dtype=torch.long))
