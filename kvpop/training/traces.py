@@ -210,14 +210,18 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
 
 
 def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 256,
-                max_len: int = 1280, progress: bool = True, seconds: float | None = None) -> list[dict]:
+                max_len: int = 1280, progress: bool = True, seconds: float | None = None,
+                families: list[str] | None = None) -> list[dict]:
     """Traces of ``n`` task instances from the TRAIN seed range (every family in
-    turn), each with one (block size, recent) setting drawn from ``cfg_choices``."""
+    turn, or the ``families`` cycle, e.g. one with recall twice), each with one
+    (block size, recent) setting drawn from ``cfg_choices``."""
     from kvpop.tasks import FAMILIES
     from kvpop.training.data import train_instance
 
-    rng = random.Random(f"estimator-traces:{seed}")
-    fams = list(FAMILIES)
+    # A cycle of its own draws from a stream of its own (the recall-enriched traces
+    # of the shipped default estimator were drawn from this one).
+    rng = random.Random(f"estimator-traces:{seed}" if families is None else f"estimator-traces-mix:{seed}")
+    fams = list(families or FAMILIES)
 
     def items():
         for i in range(n):

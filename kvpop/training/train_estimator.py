@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where tracing and training run: cpu, cuda or auto")
     p.add_argument("--trace-minutes", type=float, default=None,
                    help="stop tracing after this long and train on what was traced (of --n at most)")
+    p.add_argument("--families", default=None, metavar="F1,F2,...",
+                   help="--suite tasks: the family cycle traced in turn (default: every family once; e.g. "
+                        "registers,arithmetic,recall,passkey,recall for 40%% recall)")
     p.add_argument("--cross-rows", action="store_true",
                    help="each block also sees a summary of its features in every row of the sequence "
                         "(with --init: added to that network, starting as it was)")
@@ -372,7 +375,13 @@ def run(args) -> int:
                 print(f"cannot trace: {e}")
                 return 2
         else:
-            data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len, seconds=seconds)
+            from kvpop.tasks import FAMILIES
+            fams = args.families.split(",") if args.families else None
+            if fams and not set(fams) <= set(FAMILIES):
+                print(f"--families: unknown {sorted(set(fams) - set(FAMILIES))}; known: {', '.join(FAMILIES)}")
+                return 2
+            data = task_traces(lm, args.n, choices, args.seed, args.min_len, args.max_len, seconds=seconds,
+                               families=fams)
         if len(data) < 2:
             print(f"only {len(data)} usable traces (prompts too short for sink + recent?): need at least 2")
             return 2
@@ -417,7 +426,7 @@ def run(args) -> int:
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
-                   "answer_weight": args.answer_weight, "cross_rows": cfg.cross_rows,
+                   "answer_weight": args.answer_weight, "cross_rows": cfg.cross_rows, "families": args.families,
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),

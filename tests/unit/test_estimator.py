@@ -243,6 +243,10 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     again = load(out2).cfg
     assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
     assert again.max_context == cfg.max_context
+    # A family cycle: an unknown family is one line, not a traceback.
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "4", "--families", "recall,nope",
+                 "--threads", "1", "--traces", str(tmp_path / "mix.pt"), "--trace-only"]) == 2
+    assert not (tmp_path / "mix.pt").exists()
     # --cross-rows added to a trained network: it starts as that network and keeps its shape.
     out3 = tmp_path / "cross.safetensors"
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--threads", "1",
