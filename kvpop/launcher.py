@@ -175,9 +175,10 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
         else:
             _check_redis_url(redis_url)
         stack.redis_url = redis_url
-        # The folder: its estimator.safetensors and any estimator-*.safetensors (networks for other lengths).
+        from services.cache_manager.planner import resolve_checkpoints
+        # The folder, when it holds networks (the cache-manager loads them by the same rule).
         estimator = Path(model).resolve() if model else None
-        if estimator is not None and not any(estimator.glob("estimator*.safetensors")):
+        if estimator is not None and not any(p.is_file() for p in resolve_checkpoints(estimator)):
             estimator = None
         ports = {"cache-manager": free_port(), "compute": free_port(), "gateway": port or free_port()}
         addr = {n: f"{host}:{p}" for n, p in ports.items()}

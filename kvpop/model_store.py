@@ -241,7 +241,7 @@ def _place_one(name: str, folder: Path, stem: str, force: bool) -> bool:
         return False
     new = _sha256(src[0])
     dst = folder / f"{stem}.safetensors"
-    mark = folder / (SHIPPED_MARK if stem == "estimator" else f".{stem}.shipped")
+    mark = folder / f".{stem}.shipped"          # SHIPPED_MARK for the primary
     if dst.exists() and not force:
         have = _sha256(dst)
         ours = have in FORMER_SHIPPED or (mark.is_file() and mark.read_text().strip() == have)

@@ -54,8 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder")
 
 
-
-
 def run(args) -> int:
     import torch
 

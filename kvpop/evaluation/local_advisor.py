@@ -46,8 +46,9 @@ class LocalAdvisor:
         """features: compute's BlockFeatures (torch tensors) of one sequence;
         gone: [L, Hkv, k] blocks its rows evicted since its last submit."""
         by_request: dict[str, list[BlockRecord]] = {}
-        prompt_tokens = {f.request_id: f.prompt_tokens for f in features}
+        prompt_tokens: dict[str, int] = {}
         for f in features:
+            prompt_tokens[f.request_id] = f.prompt_tokens
             by_request.setdefault(f.request_id, []).append(BlockRecord(
                 block=int(f.block), position=int(f.position), age=int(f.age),
                 key_mean=f.key_mean.float().numpy(), value_norm=f.value_norm.float().numpy(),

@@ -144,13 +144,14 @@ class ValueEstimator(nn.Module):
         """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n, D].
         With cross_rows, R must be every row of one sequence (L * Hkv, layer-major)."""
         rowe = self.layer_emb(layer) + self.head_emb(head)
-        h = self.key_in(key_mean) + self.scalar_in(scalars) + rowe[:, None, :]
+        key = self.key_in[0](key_mean)                                     # LayerNorm, shared with the cross rows
+        h = self.key_in[1](key) + self.scalar_in(scalars) + rowe[:, None, :]
         if self.cfg.cross_rows:
             R, n, _ = key_mean.shape
             if R != self.cfg.num_layers * self.cfg.num_kv_heads:
                 raise ValueError(f"cross-row embedding needs all {self.cfg.num_layers * self.cfg.num_kv_heads} "
                                  f"rows of a sequence, got {R}")
-            u = self.cross_in(torch.cat([self.key_in[0](key_mean), scalars], -1))    # [R, n, e]
+            u = self.cross_in(torch.cat([key, scalars], -1))                  # [R, n, e]
             h = h + self.cross_out(u.permute(1, 0, 2).reshape(n, -1))[None]        # the same for every row
         return h
 

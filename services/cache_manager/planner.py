@@ -33,10 +33,8 @@ def resolve_checkpoints(setting: str | Path | None) -> list[Path]:
     if str(setting).lower() == "none":
         return []
     paths: list[Path] = []
-    for part in str(setting).split(","):
-        p = Path(part.strip())
-        if not part.strip():
-            continue
+    for part in filter(None, (s.strip() for s in str(setting).split(","))):
+        p = Path(part)
         if p.is_dir():
             found = [p / CHECKPOINT_NAME] if (p / CHECKPOINT_NAME).is_file() else []
             # A folder without any says "no estimator checkpoint at FOLDER/estimator.safetensors".
