@@ -108,7 +108,11 @@ def run(args) -> int:
         print(f"note: no {missing[0]}; skipping {', '.join(uses_network)}")
         policies = [p for p in policies if p not in uses_network]
         uses_network = []
-    instances, lo, hi, n = test_instances(args, families)
+    try:
+        instances, lo, hi, n = test_instances(args, families)
+    except ValueError as e:     # a seed outside the test range, a length the model cannot hold
+        print(f"kvpop eval: {e}")
+        return 2
 
     advisor = None
     if uses_network:   # the cache-manager's own scoring, in process (docs/estimator.md)

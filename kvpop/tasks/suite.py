@@ -36,6 +36,8 @@ def test_set(n: int, families: list[str] | None = None, seed: int = 0,
         for i in range(n):
             s = TEST_SEEDS.start + seed * 1000 + i
             if s not in TEST_SEEDS:
-                raise ValueError(f"test seed {s} outside the test range")
+                most = (TEST_SEEDS.stop - TEST_SEEDS.start - n) // 1000
+                raise ValueError(f"test-set seed {seed} with {n} per family leaves the test range: "
+                                 f"use a seed from 0 to {most}")
             out.append(generate(fam, s, rng.randint(min_len, max_len)))
     return out

@@ -217,3 +217,16 @@ def test_is_correct_scores_real_text_by_containment():
     inst = TextInstance("multivalue", 1, [{"role": "user", "content": "x"}], ["4711", "815"], "4711, 815")
     assert is_correct(inst, "The values are 815 and 4711.")
     assert not is_correct(inst, "The value is 4711.")
+
+
+def test_eval_refuses_a_seed_past_the_test_range_with_a_message(tmp_path, capsys):
+    """A test-set seed whose instances would leave the test range is a usage
+    error (exit 2, the range to use), not a traceback."""
+    from kvpop.cli import main
+
+    assert main(["eval", "--policies", "dense", "--n", "16", "--seed", "101", "--no-kl",
+                 "--out", str(tmp_path / "e")]) == 2
+    said = capsys.readouterr().out
+    assert "seed 101" in said and "from 0 to 99" in said
+    with pytest.raises(ValueError, match="from 0 to 98"):
+        suite.test_set(1001, ["passkey"], 99)
