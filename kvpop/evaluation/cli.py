@@ -14,6 +14,20 @@ DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
 
 
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are integers, comma-separated: {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"give distinct seeds: {text!r}")
+    return seeds
+
+
+def _seed_meta(seeds: list[int]):
+    return seeds[0] if len(seeds) == 1 else seeds
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
@@ -31,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
     p.add_argument("--n", type=int, default=16, help="test instances per family")
-    p.add_argument("--seed", type=int, default=0, help="test-set seed (inside the test seed range)")
+    p.add_argument("--seed", type=_seeds, default=[0], metavar="SEED[,SEED...]",
+                   help="test-set seed (0-99 at the standard n); several, comma-separated, pool their "
+                        "instances into one table (a larger fixed check)")
     p.add_argument("--min-len", type=int, default=None, help="shortest prompt (default: the standard test set's)")
     p.add_argument("--max-len", type=int, default=None, help="longest prompt")
     p.add_argument("--block-size", type=int, default=1, help="eviction granularity in tokens")
@@ -143,7 +159,7 @@ def run(args) -> int:
     if engine.scheduler.budget_shrinks:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
-            "seed": args.seed,
+            "seed": _seed_meta(args.seed),
             "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
             "sink": args.sink, "recent": args.recent,
             "seconds": round(time.time() - t0, 1)}
@@ -165,12 +181,12 @@ def test_instances(args, families: list[str]):
         if max(lengths) > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        insts = ruler.model_test_set(args.model, n, lengths, families, args.seed)
-        return insts, min(lengths), max(lengths), n
+        insts = [i for s in args.seed for i in ruler.model_test_set(args.model, n, lengths, families, s)]
+        return insts, min(lengths), max(lengths), n * len(args.seed)
     n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
     if args.quick:
         n, lo, hi = 1, args.min_len or 448, args.max_len or 520
-    return suite.test_set(n, families, args.seed, lo, hi), lo, hi, n
+    return [i for s in args.seed for i in suite.test_set(n, families, s, lo, hi)], lo, hi, n * len(args.seed)
 
 
 def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:
@@ -202,7 +218,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     for o in failed:
         e = errors.setdefault(f"{o.setting.policy}@{o.setting.compression}", {"count": 0, "first": o.error})
         e["count"] += 1
-    meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": args.seed,
+    meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": _seed_meta(args.seed),
             "block_size": info.block_size, "plan_interval": info.plan_interval, "sink": args.sink,
             "recent": args.recent, "seconds": round(time.time() - t0, 1), "decisions": decisions,
             "errors": errors}

@@ -230,3 +230,18 @@ def test_eval_refuses_a_seed_past_the_test_range_with_a_message(tmp_path, capsys
     assert "seed 101" in said and "from 0 to 99" in said
     with pytest.raises(ValueError, match="from 0 to 98"):
         suite.test_set(1001, ["passkey"], 99)
+
+
+def test_eval_pools_several_seeds_into_one_table(tmp_path):
+    """`--seed 0,1` runs both seeds' instances as one test set: every family
+    cell counts both, and meta.json names the seeds."""
+    from kvpop.cli import main
+
+    out = tmp_path / "e"
+    assert main(["eval", "--policies", "dense", "--tasks", "passkey", "--quick", "--seed", "3,5", "--no-kl",
+                 "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["n"] for r in rows if r["task"] == "passkey"} == {2}
+    assert json.loads((out / "meta.json").read_text())["seed"] == [3, 5]
+    with pytest.raises(SystemExit):
+        main(["eval", "--seed", "3,3", "--out", str(out)])
