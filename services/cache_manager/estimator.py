@@ -144,6 +144,7 @@ class ValueEstimator(nn.Module):
             nn.init.zeros_(self.cross_out.bias)
         if cfg.key_match:
             self.match_proj = nn.Linear(cfg.head_dim, cfg.key_match, bias=False)
+            self.match_sharp = nn.Parameter(torch.tensor(2.0))           # log sharpness: cosines x e^2
             self.match_in = nn.Linear(N_MATCH, D)
             zero = [self.match_in]
             if cfg.cross_rows:
@@ -190,25 +191,30 @@ class ValueEstimator(nn.Module):
         return self._match_keys(self.key_in[0](key_mean)), scalars[..., 3]
 
     def _match(self, z, lp, earlier) -> torch.Tensor:
-        """Each block's closest earlier block of its row (in the learned key space):
-        [cosine, log-position distance to it]; zeros for a row's first block. A
+        """Each block's closest earlier blocks of its row (in the learned key space):
+        a soft maximum of the cosines (log-mean-exp at a learned sharpness, so every
+        candidate gets a gradient, not only the current best) and the log-position
+        distance to them, weighted the same way; zeros for a row's first block. A
         function of what was known when the block arrived, so it never changes."""
         if earlier is not None and earlier[0].shape[1]:
             za, lpa = torch.cat([earlier[0], z], 1), torch.cat([earlier[1], lp], 1)
         else:
             za, lpa = z, lp
         R, m, _ = z.shape
-        n0 = za.shape[1] - m
+        n0, tau = za.shape[1] - m, self.match_sharp.exp()
         out, step = [], max(1, _MATCH_ELEMS // max(1, R * za.shape[1]))
         for a in range(0, m, step):
             b = min(m, a + step)
-            s = z[:, a:b] @ za.transpose(1, 2)                              # [R, b-a, n0+m]
-            later = torch.arange(za.shape[1])[None, :] >= (n0 + torch.arange(a, b))[:, None]
-            best, at = s.masked_fill(later, -2.0).max(-1)
-            first = (n0 + torch.arange(a, b) == 0)[None, :]
-            cos = torch.where(first, torch.zeros_like(best), best)
-            dist = torch.where(first, torch.zeros_like(best), lp[:, a:b] - lpa.gather(1, at))
-            out.append(torch.stack([cos, dist], -1))
+            i = n0 + torch.arange(a, b)                                    # global index of each block
+            s = tau * (z[:, a:b] @ za.transpose(1, 2))                      # [R, b-a, n0+m]
+            s = s.masked_fill(torch.arange(za.shape[1])[None, :] >= i[:, None], float("-inf"))
+            first = (i == 0)[None, :, None]
+            s = torch.where(first, torch.zeros_like(s), s)                  # no earlier block: a harmless row
+            lse = torch.logsumexp(s, -1)
+            soft = (lse - torch.log(i.clamp_min(1).float())) / tau
+            dist = (torch.softmax(s, -1) * (lp[:, a:b, None] - lpa[:, None, :])).sum(-1)
+            f = torch.stack([soft, dist], -1)
+            out.append(torch.where(first, torch.zeros_like(f), f))
         return torch.cat(out, 1) if out else z.new_zeros(R, 0, N_MATCH)
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
