@@ -81,9 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-rows", action="store_true",
                    help="each block also sees a summary of its features in every row of the sequence "
                         "(with --init: added to that network, starting as it was)")
-    p.add_argument("--key-match", type=int, default=0, metavar="P",
-                   help="each block also finds its closest earlier block of the row in a learned P-wide key "
-                        "space (e.g. 16; with --init: added to that network, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -408,21 +405,15 @@ def run(args) -> int:
                   f"head_dim {cfg.head_dim}; this model has {mc.num_layers} x {mc.num_kv_heads} x {mc.head_dim}")
             return 2
         prior = dict(cfg.trained or {})
-        grow = {}
         if args.cross_rows and not cfg.cross_rows:
-            grow["cross_rows"] = True
-        if args.key_match and not cfg.key_match:
-            grow["key_match"] = args.key_match
-        if grow:
-            for k, v in grow.items():
-                setattr(cfg, k, v)
+            cfg.cross_rows = True
             grown = ValueEstimator(cfg)
             missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
-            assert not unexpected and all(k.startswith(("cross_", "match_")) for k in missing), (missing, unexpected)
+            assert not unexpected and all(k.startswith("cross_") for k in missing), (missing, unexpected)
             net = grown
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
-                              cross_rows=args.cross_rows, key_match=args.key_match)
+                              cross_rows=args.cross_rows)
         net = ValueEstimator(cfg)
         prior = {}
     del lm
@@ -435,8 +426,7 @@ def run(args) -> int:
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
-                   "answer_weight": args.answer_weight, "cross_rows": cfg.cross_rows,
-                   "key_match": cfg.key_match, "families": args.families,
+                   "answer_weight": args.answer_weight, "cross_rows": cfg.cross_rows, "families": args.families,
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),

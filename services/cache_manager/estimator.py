@@ -33,8 +33,6 @@ from services.cache_manager.live_attention import LiveRows, gone_rows
 
 N_SCALARS = 7
 N_TIME = 3
-N_MATCH = 2
-_MATCH_ELEMS = 1 << 24     # similarity entries per chunk when a block looks for its match
 
 
 @dataclass
@@ -55,11 +53,6 @@ class EstimatorConfig:
     # other rows' keys and attention can (docs/estimator.md, "Recall at 87.5%").
     cross_rows: bool = False
     cross_dim: int = 8
-    # Width of a learned key space in which each block finds its closest earlier
-    # block of the row (0 = off): a value whose key repeats a question's is asked
-    # for, which one attention layer over the row did not learn to see
-    # (docs/estimator.md, "Key match").
-    key_match: int = 0
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -142,80 +135,25 @@ class ValueEstimator(nn.Module):
             # Zero: a network continued with cross rows starts as the one it continues.
             nn.init.zeros_(self.cross_out.weight)
             nn.init.zeros_(self.cross_out.bias)
-        if cfg.key_match:
-            self.match_proj = nn.Linear(cfg.head_dim, cfg.key_match, bias=False)
-            self.match_sharp = nn.Parameter(torch.tensor(2.0))           # log sharpness: cosines x e^2
-            self.match_in = nn.Linear(N_MATCH, D)
-            zero = [self.match_in]
-            if cfg.cross_rows:
-                self.match_cross = nn.Linear(cfg.num_layers * cfg.num_kv_heads * N_MATCH, D)
-                zero.append(self.match_cross)
-            for lin in zero:      # as with cross rows: a continued network starts as it was
-                nn.init.zeros_(lin.weight)
-                nn.init.zeros_(lin.bias)
         self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
         # Per block: a bias and one coefficient per time feature (a learned decay curve).
         self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(), nn.Linear(D, 1 + N_TIME))
 
     # ------------------------------------------------------------ pieces
-    def embed(self, key_mean, scalars, layer, head, earlier=None) -> torch.Tensor:
+    def embed(self, key_mean, scalars, layer, head) -> torch.Tensor:
         """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n, D].
-        With cross_rows, R must be every row of one sequence (L * Hkv, layer-major).
-        With key_match, ``earlier`` = match_context of the blocks known before
-        these (None: these are the sequence's first)."""
+        With cross_rows, R must be every row of one sequence (L * Hkv, layer-major)."""
         rowe = self.layer_emb(layer) + self.head_emb(head)
         key = self.key_in[0](key_mean)                                     # LayerNorm, shared with the cross rows
         h = self.key_in[1](key) + self.scalar_in(scalars) + rowe[:, None, :]
-        R, n, _ = key_mean.shape
         if self.cfg.cross_rows:
+            R, n, _ = key_mean.shape
             if R != self.cfg.num_layers * self.cfg.num_kv_heads:
                 raise ValueError(f"cross-row embedding needs all {self.cfg.num_layers * self.cfg.num_kv_heads} "
                                  f"rows of a sequence, got {R}")
             u = self.cross_in(torch.cat([key, scalars], -1))                  # [R, n, e]
             h = h + self.cross_out(u.permute(1, 0, 2).reshape(n, -1))[None]        # the same for every row
-        if self.cfg.key_match:
-            mf = self._match(self._match_keys(key), scalars[..., 3], earlier)   # [R, n, N_MATCH]
-            h = h + self.match_in(mf)
-            if self.cfg.cross_rows:
-                h = h + self.match_cross(mf.permute(1, 0, 2).reshape(n, -1))[None]
         return h
-
-    def _match_keys(self, key_ln: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.match_proj(key_ln), dim=-1)
-
-    def match_context(self, key_mean, scalars):
-        """What later blocks match against: (unit keys [R, n, p], log positions [R, n]);
-        None for a network without key_match."""
-        if not self.cfg.key_match:
-            return None
-        return self._match_keys(self.key_in[0](key_mean)), scalars[..., 3]
-
-    def _match(self, z, lp, earlier) -> torch.Tensor:
-        """Each block's closest earlier blocks of its row (in the learned key space):
-        a soft maximum of the cosines (log-mean-exp at a learned sharpness, so every
-        candidate gets a gradient, not only the current best) and the log-position
-        distance to them, weighted the same way; zeros for a row's first block. A
-        function of what was known when the block arrived, so it never changes."""
-        if earlier is not None and earlier[0].shape[1]:
-            za, lpa = torch.cat([earlier[0], z], 1), torch.cat([earlier[1], lp], 1)
-        else:
-            za, lpa = z, lp
-        R, m, _ = z.shape
-        n0, tau = za.shape[1] - m, self.match_sharp.exp()
-        out, step = [], max(1, _MATCH_ELEMS // max(1, R * za.shape[1]))
-        for a in range(0, m, step):
-            b = min(m, a + step)
-            i = n0 + torch.arange(a, b)                                    # global index of each block
-            s = tau * (z[:, a:b] @ za.transpose(1, 2))                      # [R, b-a, n0+m]
-            s = s.masked_fill(torch.arange(za.shape[1])[None, :] >= i[:, None], float("-inf"))
-            first = (i == 0)[None, :, None]
-            s = torch.where(first, torch.zeros_like(s), s)                  # no earlier block: a harmless row
-            lse = torch.logsumexp(s, -1)
-            soft = (lse - torch.log(i.clamp_min(1).float())) / tau
-            dist = (torch.softmax(s, -1) * (lp[:, a:b, None] - lpa[:, None, :])).sum(-1)
-            f = torch.stack([soft, dist], -1)
-            out.append(torch.where(first, torch.zeros_like(f), f))
-        return torch.cat(out, 1) if out else z.new_zeros(R, 0, N_MATCH)
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out(hidden)                                             # [R, n, 1 + N_TIME]
@@ -374,11 +312,7 @@ class LearnedScorer:
             # New blocks only: at each layer they attend over every known block's
             # cached keys/values (the old ones' deeper layers are stale until the next full pass).
             km, sc = block_inputs(a, have)
-            earlier = None
-            if self.model.cfg.key_match:
-                ka, sa = block_inputs(a)
-                earlier = self.model.match_context(ka[:, :have], sa[:, :have])
-            h = self.model.embed(km, sc, layer, head, earlier)
+            h = self.model.embed(km, sc, layer, head)
             for i, blk in enumerate(self.model.blocks):
                 k, v = blk.project(h)
                 c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))

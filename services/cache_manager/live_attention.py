@@ -86,7 +86,6 @@ class LiveRows:
         dh = D // nh
         self.scale = 1.0 / math.sqrt(dh)
         self.n = 0
-        self.match = None                   # key_match context of every block known
         self.k = torch.zeros(R, nh, 0, dh)
         self.v = torch.zeros(R, nh, 0, dh)
         # Slots [R, P]: idx = block's index in the sequence's arrays (-1 = empty).
@@ -138,10 +137,7 @@ class LiveRows:
         m = km.shape[1]
         if not m:
             return
-        h0 = self.model.embed(km, sc, self.layer, self.head, self.match)
-        ctx = self.model.match_context(km, sc)
-        if ctx is not None:   # what later newcomers look for their match in (every block known, gone or not)
-            self.match = ctx if self.match is None else tuple(torch.cat([o, c], 1) for o, c in zip(self.match, ctx))
+        h0 = self.model.embed(km, sc, self.layer, self.head)
         k, v = self.blk.project(h0)
         q = self.blk.query(h0)
         if self.idx.shape[1]:               # blocks already held see the newcomers' keys
