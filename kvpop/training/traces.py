@@ -38,7 +38,7 @@ class TraceConfig:
     snapshots: int = 16          # decision times sampled per sequence
     query_chunk: int = 256
     target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)
-    decode_only: bool = False    # the horizon counts generated positions only (what decoding will need)
+    decode_only: bool = False    # the horizon counts the queries that write the continuation only
     plan_interval: int = 1       # tokens: compute's plan interval (decode features go in batches this long)
     every_step: bool = False     # decode decisions at every step, not only where features arrive
     answer_weight: float = 0.0   # "mean" target + this x the mean over the continuation's queries alone
@@ -159,11 +159,15 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     targets = [np.zeros((L, Hkv, k), np.float32) for k in nk]
     blocks = torch.as_tensor(known)
     # The future each decision is judged on: queries [s0, e).
+    # The continuation's queries start at the prompt's last token: its query
+    # writes the first answer token (a registers answer reads its value there,
+    # in prefill). Starting at the prompt's end left that read out of the target.
+    first_answer_query = prompt_len - 1
     windows, answer = [], []
     for t in pick:
-        s0 = max(t, prompt_len) if cfg.decode_only else t
+        s0 = max(t, first_answer_query) if cfg.decode_only else t
         windows.append((s0, min(T, s0 + cfg.horizon)))
-        answer.append((max(t, prompt_len), windows[-1][1]))     # the continuation's queries in that window
+        answer.append((max(t, first_answer_query), windows[-1][1]))     # the continuation's queries in that window
     weigh = cfg.answer_weight > 0 and cfg.target == "mean"
     need = ({int(t) for t in t_sub[known]} | {w for win in windows for w in win}
             | ({w for win in answer for w in win} if weigh else set()))

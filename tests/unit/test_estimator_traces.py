@@ -132,8 +132,9 @@ def test_every_step_decides_at_each_decode_step_with_the_blocks_sent_so_far():
 
 
 def test_answer_weight_adds_the_continuations_mean_attention():
-    """`--answer-weight W`: the mean target plus W x the mean over the
-    continuation's queries only; from the prompt's end on both windows are the same."""
+    """`--answer-weight W`: the mean target plus W x the mean over the queries
+    that write the continuation only: from the prompt's last token, whose query
+    writes the first answer token; from the prompt's end on both windows are the same."""
     model = tiny_model(seed=3)
     ids = random_prompt(45, seed=1)
     P, w = 30, 0.5
@@ -152,7 +153,7 @@ def test_answer_weight_adds_the_continuations_mean_attention():
                 for h in range(Hkv):
                     heads = slice(h * G, (h + 1) * G)
                     fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
-                    fut = fut + w * probs[l, heads, max(t, P):T, cols].sum(-1).mean(1)
+                    fut = fut + w * probs[l, heads, max(t, P - 1):T, cols].sum(-1).mean(1)
                     assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
 
 
