@@ -14,7 +14,6 @@ DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
 
 
-
 def _seeds(text: str) -> list[int]:
     try:
         seeds = [int(x) for x in text.split(",") if x.strip()]
@@ -27,6 +26,7 @@ def _seeds(text: str) -> list[int]:
 
 def _seed_meta(seeds: list[int]):
     return seeds[0] if len(seeds) == 1 else seeds
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
@@ -171,22 +171,24 @@ def run(args) -> int:
 
 
 def test_instances(args, families: list[str]):
-    """(instances, shortest, longest, n per family) of the chosen suite."""
+    """(instances, shortest, longest, n per family) of the chosen suite, every
+    seed's instances in one list."""
     from kvpop.tasks import suite
     if args.suite == "real":
         from kvpop.tasks import ruler
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
-        n = 1 if args.quick else args.n
+        n, lo, hi = 1 if args.quick else args.n, min(lengths), max(lengths)
         limit = ruler.prompt_limit(args.model)
-        if max(lengths) > limit:
+        if hi > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        insts = [i for s in args.seed for i in ruler.model_test_set(args.model, n, lengths, families, s)]
-        return insts, min(lengths), max(lengths), n * len(args.seed)
-    n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
-    if args.quick:
-        n, lo, hi = 1, args.min_len or 448, args.max_len or 520
-    return [i for s in args.seed for i in suite.test_set(n, families, s, lo, hi)], lo, hi, n * len(args.seed)
+        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s)
+    else:
+        n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
+        if args.quick:
+            n, lo, hi = 1, args.min_len or 448, args.max_len or 520
+        one_seed = lambda s: suite.test_set(n, families, s, lo, hi)
+    return [i for s in args.seed for i in one_seed(s)], lo, hi, n * len(args.seed)
 
 
 def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:

@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--answer-weight", type=float, default=0.0, metavar="W",
                    help="mean targets add W x the mean attention of the queries that write the answer (from "
                         "the prompt's last token on): weights what the answer needs at the prompt's earlier "
-                        "chunk ends (the shipped default network: 1)")
+                        "chunk ends (the shipped default network: 8)")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="compute's plan interval in tokens (decode features are sent in batches this long)")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")

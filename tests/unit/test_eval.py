@@ -233,7 +233,7 @@ def test_eval_refuses_a_seed_past_the_test_range_with_a_message(tmp_path, capsys
 
 
 def test_eval_pools_several_seeds_into_one_table(tmp_path):
-    """`--seed 0,1` runs both seeds' instances as one test set: every family
+    """`--seed 3,5` runs both seeds' instances as one test set: every family
     cell counts both, and meta.json names the seeds."""
     from kvpop.cli import main
 
