@@ -128,8 +128,11 @@ class _PrefixSums:
 
 
 @torch.no_grad()
-def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.Random) -> dict | None:
-    """One training example (dict of numpy arrays) or None if no decision has a future."""
+def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.Random,
+          answer_len: int | None = None) -> dict | None:
+    """One training example (dict of numpy arrays) or None if no decision has a future.
+    ``answer_len``: how many continuation tokens are the answer's content (the
+    answer weight counts only the queries that write them; default: all)."""
     mc = model.config
     L, Hq, Hkv, d = mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim
     G, bs, T = Hq // Hkv, cfg.block_size, len(ids)
@@ -163,11 +166,16 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     # writes the first answer token (a registers answer reads its value there,
     # in prefill). Starting at the prompt's end left that read out of the target.
     first_answer_query = prompt_len - 1
+    # The answer's queries stop at its content: the queries that write an end marker
+    # (`.`, EOS) and the EOS position's (never run in serving) look at the writes'
+    # `;` and not at what the question asked, and weighing them paid `;` more than
+    # the commits a question might ask (docs/estimator.md, "The answer's own queries").
+    answer_end = T if answer_len is None else min(T, first_answer_query + max(1, answer_len))
     windows, answer = [], []
     for t in pick:
         s0 = max(t, first_answer_query) if cfg.decode_only else t
         windows.append((s0, min(T, s0 + cfg.horizon)))
-        answer.append((max(t, first_answer_query), windows[-1][1]))     # the continuation's queries in that window
+        answer.append((max(t, first_answer_query), min(windows[-1][1], answer_end)))   # the answer's queries in it
     weigh = cfg.answer_weight > 0 and cfg.target == "mean"
     need = ({int(t) for t in t_sub[known]} | {w for win in windows for w in win}
             | ({w for win in answer for w in win} if weigh else set()))
@@ -220,8 +228,10 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
     turn, or the ``families`` cycle, e.g. one with recall twice), each with one
     (block size, recent) setting drawn from ``cfg_choices``."""
     from kvpop.tasks import FAMILIES
+    from kvpop.tasks.vocab import EOS_ID, VOCAB
     from kvpop.training.data import train_instance
 
+    PERIOD_ID = VOCAB["."]
     # A cycle of its own draws from a stream of its own (the recall-enriched traces
     # of the shipped default estimator were drawn from this one).
     rng = random.Random(f"estimator-traces:{seed}" if families is None else f"estimator-traces-mix:{seed}")
@@ -230,7 +240,11 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
     def items():
         for i in range(n):
             inst = train_instance(fams[i % len(fams)], rng.randrange(1_000_000_000), rng.randint(min_len, max_len), rng)
-            yield inst.family, inst.prompt_ids, inst.solution_ids, inst.depends   # depends: prompt positions the answer needs
+            # depends: prompt positions the answer needs; the answer's content is the
+            # solution less its end markers (`.`, EOS).
+            sol = inst.solution_ids
+            content = len(sol) - 2 if sol[-2:] == [PERIOD_ID, EOS_ID] else None
+            yield inst.family, inst.prompt_ids, sol, inst.depends, content
     return _trace_all(model, items(), cfg_choices, rng, progress, "traces", n, seconds)
 
 
@@ -241,19 +255,19 @@ REAL_TRAIN_SEED_BASE = 1_000_000_000
 
 def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total: int | None = None,
                seconds: float | None = None) -> list[dict]:
-    """items: iterable of (family, prompt ids, continuation ids, depends) -> traces;
+    """items: iterable of (family, prompt ids, continuation ids, depends[, answer_len]) -> traces;
     with ``seconds``, what is traced by then (a budget on a machine lent for minutes)."""
     import time
 
     from tqdm import tqdm
 
     out, t0 = [], time.monotonic()
-    for fam, prompt, cont, deps in tqdm(items, desc=desc, total=total, disable=not progress, dynamic_ncols=True,
+    for fam, prompt, cont, deps, *answer_len in tqdm(items, desc=desc, total=total, disable=not progress, dynamic_ncols=True,
                                         mininterval=2):
         if seconds is not None and time.monotonic() - t0 > seconds:
             print(f"trace budget of {seconds:.0f} s spent: {len(out)} traces")
             break
-        ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng)
+        ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng, *answer_len)
         if ex is not None:
             ex["family"] = fam
             if deps is not None:

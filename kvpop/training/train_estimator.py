@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--depth", type=int, default=1, help="self-attention layers")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--pair-weight", type=float, default=1.0, metavar="P",
+                   help="weight of the pairwise term beside the listwise one (it orders the tail; with a "
+                        "two-valued target, e.g. an answer that is asked or not, it pulls toward the median)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--traces", default=None, help="cache file: loaded if it exists, else written after tracing")
@@ -82,6 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-rows", action="store_true",
                    help="each block also sees a summary of its features in every row of the sequence "
                         "(with --init: added to that network, starting as it was)")
+    p.add_argument("--key-diff", action="store_true",
+                   help="the curve also weighs each block's KeyDiff score (cosine distance to the row's mean "
+                        "key) at plan time (with --init: added to that network, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -180,7 +186,7 @@ def _on(device, *xs):
     return [x.to(device, non_blocking=True) for x in xs]
 
 
-def evaluate(model, data: list[dict]) -> dict:
+def evaluate(model, data: list[dict], pair_weight: float = 1.0) -> dict:
     import torch
 
     from services.cache_manager.estimator import row_ids, rows_from_arrays
@@ -198,7 +204,7 @@ def evaluate(model, data: list[dict]) -> dict:
                 km, sc, tf, layer, head, y = _on(dev, *rows_from_arrays(a, now), *row_ids(L, H), as_rows(tgt))
                 s = model(km, sc, tf, layer, head)
                 kl, pair = losses(s, y, torch.Generator(dev).manual_seed(i))
-                total_loss += float(kl + pair)
+                total_loss += float(kl + pair_weight * pair)
                 y = y.cpu()
                 preds = {"learned": s.cpu().numpy(), **baselines(a, now)}
                 deps = ex.get("depends")
@@ -226,9 +232,32 @@ def evaluate(model, data: list[dict]) -> dict:
             "needed_at_k": nres, "decisions_with_needed_blocks": n_needed}
 
 
+def with_key_diff(net):
+    """The same network with a KeyDiff input to its curve whose weight starts at
+    zero: it scores exactly as before until training moves that weight."""
+    import dataclasses
+
+    import torch
+
+    from services.cache_manager.estimator import ValueEstimator
+
+    grown = ValueEstimator(dataclasses.replace(net.cfg, key_diff=True))
+    state = net.state_dict()
+    last = f"out.{len(net.out) - 1}"
+    w, b = state.pop(f"{last}.weight"), state.pop(f"{last}.bias")
+    grown.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        lin = grown.out[-1]
+        lin.weight.zero_(); lin.bias.zero_()
+        lin.weight[: w.shape[0]] = w
+        lin.bias[: b.shape[0]] = b
+    return grown
+
+
 # ------------------------------------------------------------------ training
 def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
-          eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None):
+          eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None,
+          pair_weight: float = 1.0):
     """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None).
     Every ``eval_every_s`` the held-out loss is measured on (up to) 8 sequences
     and the best state so far is kept; the model ends in that state (the
@@ -250,7 +279,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     history, ema, step, eval_cost = [], None, 0, 0.0
     probe, best, best_state = val_data[:8], float("inf"), None
     if probe:   # a warm start must beat where it started, not just its own later steps
-        best = evaluate(model, probe)["loss"]
+        best = evaluate(model, probe, pair_weight)["loss"]
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
@@ -267,7 +296,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         km, sc, tf, layer, head, y = _on(dev, *rows_from_arrays(a, now), *row_ids(L, H), as_rows(tgt))
         q = query_sample(y, gen) if model.cfg.depth == 1 else None
         kl, pair = losses(model(km, sc, tf, layer, head, queries=q), y if q is None else y.gather(1, q), gen)
-        loss = kl + pair
+        loss = kl + pair_weight * pair
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -278,7 +307,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         vl = vm = None
         now_t = time.monotonic()
         if probe and now_t - last_eval >= max(eval_every_s, 3 * eval_cost):
-            ev = evaluate(model, probe)
+            ev = evaluate(model, probe, pair_weight)
             eval_cost = time.monotonic() - now_t    # long traces: held-out checks stay a quarter of the time
             vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
             if vl < best:   # NaN never wins
@@ -293,7 +322,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
             bar.refresh()
     bar.close()
     if probe:
-        vl = evaluate(model, probe)["loss"]
+        vl = evaluate(model, probe, pair_weight)["loss"]
         if best_state is not None and not vl <= best:   # worse, or diverged to NaN
             model.load_state_dict(best_state)
             print(f"kept the held-out best (loss {best:.4f} < final {vl:.4f})")
@@ -412,9 +441,12 @@ def run(args) -> int:
             missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
             assert not unexpected and all(k.startswith("cross_") for k in missing), (missing, unexpected)
             net = grown
+        if args.key_diff and not cfg.key_diff:
+            net = with_key_diff(net)
+            cfg = net.cfg
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
-                              cross_rows=args.cross_rows)
+                              cross_rows=args.cross_rows, key_diff=args.key_diff)
         net = ValueEstimator(cfg)
         prior = {}
     del lm
@@ -422,12 +454,14 @@ def run(args) -> int:
     print(f"{len(train_data)} train / {len(val_data)} held-out sequences, "
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
-    history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0)
-    ev = evaluate(net, val_data)
+    history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0,
+                    pair_weight=args.pair_weight)
+    ev = evaluate(net, val_data, args.pair_weight)
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
-                   "answer_weight": args.answer_weight, "cross_rows": cfg.cross_rows, "families": args.families,
+                   "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
+                   "key_diff": cfg.key_diff, "families": args.families,
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),

@@ -53,6 +53,12 @@ class EstimatorConfig:
     # other rows' keys and attention can (docs/estimator.md, "Recall at 87.5%").
     cross_rows: bool = False
     cross_dim: int = 8
+    # The curve also weighs each block's KeyDiff score at plan time (cosine distance of
+    # its key to the mean key of the row's known blocks), which moves as the row grows:
+    # distinctive keys (a register's commit among its many writes) are what the
+    # KeyDiff heuristic keeps, and what the network alone under-ranked at 93.75%
+    # (docs/estimator.md, "A KeyDiff input").
+    key_diff: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -79,6 +85,12 @@ def scalar_features(position, age, attention, value_norm, key_mean, block) -> to
         torch.log(torch.linalg.vector_norm(key_mean, dim=-1) + 1e-4) / 4,
         torch.log1p(position) - torch.log1p(block),        # ~ log block size
     ], -1)
+
+
+def key_diff(key_mean: torch.Tensor) -> torch.Tensor:
+    """key_mean [R, n, d] -> [R, n, 1]: 1 - cosine similarity to the row's mean key (0..2)."""
+    anchor = key_mean.mean(1, keepdim=True).expand_as(key_mean)
+    return (1.0 - F.cosine_similarity(key_mean, anchor, dim=-1))[..., None]
 
 
 def time_features(position, age, now) -> torch.Tensor:
@@ -137,7 +149,8 @@ class ValueEstimator(nn.Module):
             nn.init.zeros_(self.cross_out.bias)
         self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
         # Per block: a bias and one coefficient per time feature (a learned decay curve).
-        self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(), nn.Linear(D, 1 + N_TIME))
+        self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(),
+                                 nn.Linear(D, 1 + N_TIME + int(cfg.key_diff)))
 
     # ------------------------------------------------------------ pieces
     def embed(self, key_mean, scalars, layer, head) -> torch.Tensor:
@@ -156,11 +169,19 @@ class ValueEstimator(nn.Module):
         return h
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.out(hidden)                                             # [R, n, 1 + N_TIME]
+        return self.out(hidden)                                             # [R, n, 1 + N_TIME (+ 1)]
 
     @staticmethod
     def apply_curve(curve: torch.Tensor, tfeat: torch.Tensor) -> torch.Tensor:
         return curve[..., 0] + (curve[..., 1:] * tfeat).sum(-1)
+
+    def plan_features(self, tfeat: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
+        """Time features [R or 1, n, N_TIME] -> what the curve takes [R, n, C - 1]: with
+        key_diff, each block's KeyDiff score over every known block of its row appended."""
+        if not self.cfg.key_diff or tfeat.shape[-1] > N_TIME:
+            return tfeat
+        kd = key_diff(key_mean)
+        return torch.cat([tfeat.expand(kd.shape[0], -1, -1), kd], -1)
 
     # ------------------------------------------------------------ full pass
     def forward(self, key_mean, scalars, tfeat, layer, head, mask=None, queries=None) -> torch.Tensor:
@@ -170,6 +191,7 @@ class ValueEstimator(nn.Module):
         every block still a key -> [R, m]. What a long trace's training step
         can afford (O(m n), not O(n^2)), and what serving computes for the
         blocks a row still holds."""
+        tfeat = self.plan_features(tfeat, key_mean)
         h = self.embed(key_mean, scalars, layer, head)
         if queries is not None:
             if len(self.blocks) != 1:
@@ -273,6 +295,14 @@ class LearnedScorer:
         self.rescore_every = max(1, model.cfg.rescore_every)
         self.live = live and model.cfg.depth == 1
 
+    def _times(self, a: dict) -> torch.Tensor:
+        tf = block_times(a)[None]                                          # [1, n, T], same for every row
+        if not self.model.cfg.key_diff:
+            return tf
+        km = torch.as_tensor(np.asarray(a["key_mean"]), dtype=torch.float32)
+        n, L, H, d = km.shape
+        return self.model.plan_features(tf, km.permute(1, 2, 0, 3).reshape(L * H, n, d))
+
     def compatible(self, L: int, H: int, d: int) -> bool:
         c = self.model.cfg
         return (c.num_layers, c.num_kv_heads, c.head_dim) == (L, H, d)
@@ -298,7 +328,7 @@ class LearnedScorer:
                 c.update(model=self.model, revision=seq.revision, live=live)
             live.update(*block_inputs(a, have), gone_rows(a))
             c["n"] = n
-            s = self.model.apply_curve(live.curves(), block_times(a))          # [R, n]
+            s = self.model.apply_curve(live.curves(), self._times(a))           # [R, n]
             return s.view(L, H, n).permute(2, 0, 1).numpy()
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
@@ -318,6 +348,5 @@ class LearnedScorer:
                 c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))
                 h = blk(h, *c["kv"][i])
             c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(h)], 1))
-        tf = block_times(a)                                                  # [n, T], same for every row
-        s = self.model.apply_curve(c["curve"], tf)                         # [R, n]
+        s = self.model.apply_curve(c["curve"], self._times(a))               # [R, n]
         return s.view(L, H, n).permute(2, 0, 1).numpy()

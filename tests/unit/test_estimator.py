@@ -420,3 +420,42 @@ def test_cross_rows_let_a_row_use_what_only_another_row_shows():
     with pytest.raises(ValueError, match="all 4 rows"):
         grown.embed(torch.zeros(3, 5, D), torch.zeros(3, 5, N_SCALARS), torch.zeros(3, dtype=torch.long),
                     torch.zeros(3, dtype=torch.long))
+
+
+def test_key_diff_input_starts_as_the_network_it_grows_and_scores_exactly_incrementally(tmp_path):
+    """--key-diff added to a trained network scores as that network until its
+    weight moves; once it does, a block's score follows the row's mean key (it
+    moves as blocks arrive), and the incremental scorer, live or not, matches a
+    full pass over every known block at each step."""
+    from kvpop.training.train_estimator import with_key_diff
+
+    plain = _net(4)
+    grown = with_key_diff(plain).eval()
+    assert grown.cfg.key_diff and not plain.cfg.key_diff
+    a = _arrays(40, seed=6)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        grown.out[-1].weight[-1].normal_(std=0.5)
+        grown.out[-1].bias[-1] = 2.0
+        assert not torch.allclose(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+    grown.cfg.rescore_every = 1
+    for live in (True, False):
+        scorer, seq, known = LearnedScorer(grown, live=live), ScoringState().get(f"k{live}"), 0
+        first = None
+        for burst in (10, 1, 6, 3, 20):
+            for r in _records(a, known, known + burst):
+                seq.add(r)
+            known += burst
+            got = scorer.score(seq)
+            with torch.no_grad():
+                full = grown(*rows_from_arrays(seq.arrays()), layer, head).view(L, H, known).permute(2, 0, 1)
+            assert np.allclose(got, full.numpy(), atol=1e-4), (live, known)
+            first = got[0] if first is None else first
+        assert not np.allclose(first, got[0], atol=1e-4)     # the anchor moved: block 0's score did too
+    path = save(grown, tmp_path / "kd.safetensors")
+    back = load(path)
+    assert back.cfg.key_diff
+    with torch.no_grad():
+        assert torch.equal(back(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+

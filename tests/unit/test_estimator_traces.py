@@ -155,6 +155,21 @@ def test_answer_weight_adds_the_continuations_mean_attention():
                     fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
                     fut = fut + w * probs[l, heads, max(t, P - 1):T, cols].sum(-1).mean(1)
                     assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
+    # answer_len: only the queries that write the answer's content count (here its first
+    # 2 tokens: the queries at P - 1 and P), not those that write its end markers.
+    short = trace(model, ids, P, cfg, random.Random(0), answer_len=2)
+    assert short["times"].tolist() == ex["times"].tolist()
+    for t, k, tgt in zip(short["times"], short["known"], short["targets"]):
+        for j, b in enumerate(short["block"][:k]):
+            cols = slice(b * 4, (b + 1) * 4)
+            for l in range(L):
+                for h in range(Hkv):
+                    heads = slice(h * G, (h + 1) * G)
+                    fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
+                    a0 = max(t, P - 1)
+                    if a0 < P + 1:
+                        fut = fut + w * probs[l, heads, a0:P + 1, cols].sum(-1).mean(1)
+                    assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
 
 
 @pytest.mark.parametrize("interval", [1, 12])
