@@ -255,19 +255,19 @@ REAL_TRAIN_SEED_BASE = 1_000_000_000
 
 def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total: int | None = None,
                seconds: float | None = None) -> list[dict]:
-    """items: iterable of (family, prompt ids, continuation ids, depends[, answer_len]) -> traces;
+    """items: iterable of (family, prompt ids, continuation ids, depends, answer_len) -> traces;
     with ``seconds``, what is traced by then (a budget on a machine lent for minutes)."""
     import time
 
     from tqdm import tqdm
 
     out, t0 = [], time.monotonic()
-    for fam, prompt, cont, deps, *answer_len in tqdm(items, desc=desc, total=total, disable=not progress, dynamic_ncols=True,
-                                        mininterval=2):
+    for fam, prompt, cont, deps, answer_len in tqdm(items, desc=desc, total=total, disable=not progress,
+                                                    dynamic_ncols=True, mininterval=2):
         if seconds is not None and time.monotonic() - t0 > seconds:
             print(f"trace budget of {seconds:.0f} s spent: {len(out)} traces")
             break
-        ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng, *answer_len)
+        ex = trace(model, prompt + cont, len(prompt), rng.choice(cfg_choices), rng, answer_len)
         if ex is not None:
             ex["family"] = fam
             if deps is not None:
@@ -290,7 +290,7 @@ def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: 
         for i in range(n):
             inst = ruler.generate(fams[i % len(fams)], REAL_TRAIN_SEED_BASE + seed * 1_000_000 + i,
                                   rng.randint(min_len, max_len), tokenizer)
-            yield inst.family, inst.prompt_ids, inst.solution_ids, None
+            yield inst.family, inst.prompt_ids, inst.solution_ids, None, None
     return _trace_all(model, items(), cfg_choices, rng, progress, "real-text traces", n, seconds)
 
 
@@ -319,6 +319,6 @@ def prompt_file_traces(model, tokenizer, path, cfg_choices: list[TraceConfig], s
             else:
                 raise ValueError(f"{path}:{k}: needs 'prompt' or 'messages'")
             cont = tokenizer.encode(row["completion"], add_bos=False) if row.get("completion") else []
-            rows.append(("prompts", prompt, cont, None))
+            rows.append(("prompts", prompt, cont, None, None))
     rng = random.Random(f"estimator-file-traces:{seed}")
     return _trace_all(model, rows, cfg_choices, rng, progress, "prompt-file traces")

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="targets count only generated positions' attention (not the rest of the prompt)")
     p.add_argument("--answer-weight", type=float, default=0.0, metavar="W",
                    help="mean targets add W x the mean attention of the queries that write the answer (from "
-                        "the prompt's last token on): weights what the answer needs at the prompt's earlier "
+                        "the prompt's last token on; in task traces its content, not the `.` and EOS after it): weights what the answer needs at the prompt's earlier "
                         "chunk ends (the shipped default network: 8)")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="compute's plan interval in tokens (decode features are sent in batches this long)")

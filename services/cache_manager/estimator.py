@@ -55,9 +55,9 @@ class EstimatorConfig:
     cross_dim: int = 8
     # The curve also weighs each block's KeyDiff score at plan time (cosine distance of
     # its key to the mean key of the row's known blocks), which moves as the row grows:
-    # distinctive keys (a register's commit among its many writes) are what the
-    # KeyDiff heuristic keeps, and what the network alone under-ranked at 93.75%
-    # (docs/estimator.md, "A KeyDiff input").
+    # distinctive keys (a register's commit among its many writes) are what the KeyDiff
+    # heuristic keeps. Tried, level with the plain network (docs/estimator.md, "The
+    # answer's own queries"); the shipped checkpoints have it off.
     key_diff: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
@@ -178,7 +178,7 @@ class ValueEstimator(nn.Module):
     def plan_features(self, tfeat: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
         """Time features [R or 1, n, N_TIME] -> what the curve takes [R, n, C - 1]: with
         key_diff, each block's KeyDiff score over every known block of its row appended."""
-        if not self.cfg.key_diff or tfeat.shape[-1] > N_TIME:
+        if not self.cfg.key_diff:
             return tfeat
         kd = key_diff(key_mean)
         return torch.cat([tfeat.expand(kd.shape[0], -1, -1), kd], -1)

@@ -458,4 +458,3 @@ def test_key_diff_input_starts_as_the_network_it_grows_and_scores_exactly_increm
     assert back.cfg.key_diff
     with torch.no_grad():
         assert torch.equal(back(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
-

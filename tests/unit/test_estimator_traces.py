@@ -140,36 +140,26 @@ def test_answer_weight_adds_the_continuations_mean_attention():
     P, w = 30, 0.5
     cfg = TraceConfig(block_size=4, sink=4, recent=8, horizon=1024, prefill_chunk=16, snapshots=50, query_chunk=7,
                       answer_weight=w)
-    ex = trace(model, ids, P, cfg, random.Random(0))
     probs, _, _, _ = _naive(model, ids)
     L, Hq, T = probs.shape[:3]
-    Hkv = ex["targets"][0].shape[1]
-    G = Hq // Hkv
-    assert ex["times"].tolist()[0] == 16 < P
-    for t, k, tgt in zip(ex["times"], ex["known"], ex["targets"]):
-        for j, b in enumerate(ex["block"][:k]):
-            cols = slice(b * 4, (b + 1) * 4)
-            for l in range(L):
-                for h in range(Hkv):
-                    heads = slice(h * G, (h + 1) * G)
-                    fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
-                    fut = fut + w * probs[l, heads, max(t, P - 1):T, cols].sum(-1).mean(1)
-                    assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
-    # answer_len: only the queries that write the answer's content count (here its first
-    # 2 tokens: the queries at P - 1 and P), not those that write its end markers.
-    short = trace(model, ids, P, cfg, random.Random(0), answer_len=2)
-    assert short["times"].tolist() == ex["times"].tolist()
-    for t, k, tgt in zip(short["times"], short["known"], short["targets"]):
-        for j, b in enumerate(short["block"][:k]):
-            cols = slice(b * 4, (b + 1) * 4)
-            for l in range(L):
-                for h in range(Hkv):
-                    heads = slice(h * G, (h + 1) * G)
-                    fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
-                    a0 = max(t, P - 1)
-                    if a0 < P + 1:
-                        fut = fut + w * probs[l, heads, a0:P + 1, cols].sum(-1).mean(1)
-                    assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
+    # answer_len 2: only the queries that write the answer's content count (at P - 1
+    # and P), not those that write its end markers.
+    for answer_len, answer_end in ((None, T), (2, P + 1)):
+        ex = trace(model, ids, P, cfg, random.Random(0), answer_len)
+        Hkv = ex["targets"][0].shape[1]
+        G = Hq // Hkv
+        assert ex["times"].tolist()[0] == 16 < P
+        for t, k, tgt in zip(ex["times"], ex["known"], ex["targets"]):
+            a0 = max(t, P - 1)
+            for j, b in enumerate(ex["block"][:k]):
+                cols = slice(b * 4, (b + 1) * 4)
+                for l in range(L):
+                    for h in range(Hkv):
+                        heads = slice(h * G, (h + 1) * G)
+                        fut = probs[l, heads, t:T, cols].sum(-1).mean(1)
+                        if a0 < answer_end:
+                            fut = fut + w * probs[l, heads, a0:answer_end, cols].sum(-1).mean(1)
+                        assert abs(tgt[l, h, j] - float(fut.max())) < 1e-5
 
 
 @pytest.mark.parametrize("interval", [1, 12])
