@@ -52,7 +52,8 @@ class LocalAdvisor:
             by_request.setdefault(f.request_id, []).append(BlockRecord(
                 block=int(f.block), position=int(f.position), age=int(f.age),
                 key_mean=f.key_mean.float().numpy(), value_norm=f.value_norm.float().numpy(),
-                attention=f.attention.float().numpy()))
+                attention=f.attention.float().numpy(),
+                reach=None if f.reach is None else f.reach.float().numpy()))
         with self._lock:
             for rid, records in by_request.items():
                 t0 = time.perf_counter()

@@ -23,20 +23,22 @@ class IntArray(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class BlockFeatures(_message.Message):
-    __slots__ = ("block", "position", "age", "key_mean", "value_norm", "attention")
+    __slots__ = ("block", "position", "age", "key_mean", "value_norm", "attention", "reach")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     AGE_FIELD_NUMBER: _ClassVar[int]
     KEY_MEAN_FIELD_NUMBER: _ClassVar[int]
     VALUE_NORM_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
     block: int
     position: int
     age: int
     key_mean: FloatArray
     value_norm: FloatArray
     attention: FloatArray
-    def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
+    reach: FloatArray
+    def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ..., reach: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
 
 class FeaturesBatch(_message.Message):
     __slots__ = ("request_id", "blocks", "gone", "more", "prompt_tokens")

@@ -10,7 +10,8 @@ target reads (memory O(chunk x T), not O(T^2): 8k-token traces fit). Per block:
   window (same sink / recent / block size / prefill chunking as serving):
   attention = C at the submission step summed over the block, averaged over
   the G query heads (the engine's block mass), key_mean / value_norm of the
-  post-RoPE keys / values, position, age;
+  post-RoPE keys / values, position, age, and reach (the peak mean block mass
+  of the block's own queries on one block outside their recent window);
 - at sampled decision times t (the steps at which features arrive, when the
   cache-manager re-plans; with ``every_step`` every decode step, knowing the
   blocks sent so far), the target of every known block = the attention
@@ -157,6 +158,8 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     nk = [int((t_sub[known] <= t).sum()) for t in pick]
     first = int(known[0])
     att = np.zeros((len(known), L, Hkv), np.float32)
+    rch = np.zeros((len(known), L, Hkv), np.float32)
+    reach_q: dict[int, torch.Tensor] = {}                  # layer -> [Hkv, T] each query's reach
     km = np.zeros((len(known), L, Hkv, d), np.float32)
     vn = np.zeros((len(known), L, Hkv), np.float32)
     targets = [np.zeros((L, Hkv, k), np.float32) for k in nk]
@@ -181,10 +184,20 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
             | ({w for win in answer for w in win} if weigh else set()))
     sums: dict[int, _PrefixSums] = {}
 
+    far_end = torch.arange(1, nblocks + 1) * bs - 1                    # each block's last position
+
     def on_chunk(layer, s, mass):
         if layer not in sums:
             sums[layer] = _PrefixSums(Hq, nblocks, need, windows if cfg.target == "max" else [], mass.device)
+            reach_q[layer] = torch.zeros(Hkv, T, device=mass.device)
         sums[layer].add(s, mass)
+        # Reach as compute measures it (Sequence.reach_peak): the kv-head's mean block
+        # mass of each query, its peak over blocks wholly outside the recent window.
+        e = s + mass.shape[1]
+        qpos = torch.arange(s, e, device=mass.device)
+        far = far_end.to(mass.device)[None, :] < (qpos - cfg.recent)[:, None]       # [c, nblocks]
+        m = mass.view(Hkv, G, e - s, nblocks).mean(1)
+        reach_q[layer][:, s:e] = torch.where(far[None], m, torch.zeros((), device=m.device)).amax(-1)
 
     def on_layer(layer, k, v):
         ps = sums.pop(layer)
@@ -196,6 +209,9 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
             sub[:, torch.as_tensor(j, device=dev)] = ps.at[int(t)][:, torch.as_tensor(known[j], device=dev)]
         att[:, layer] = sub.view(Hkv, G, -1).mean(1).T.cpu().numpy()
         on = blocks.to(dev)
+        # A block's reach: the peak over its own tokens' queries.
+        rq = reach_q.pop(layer)[:, : nblocks * bs].view(Hkv, nblocks, bs).amax(-1)
+        rch[:, layer] = rq[:, on].T.cpu().numpy()
         kb = k[: nblocks * bs].view(nblocks, bs, Hkv, d).mean(1)[on]        # [nknown, Hkv, d]
         vb = torch.linalg.vector_norm(v[: nblocks * bs], dim=-1).view(nblocks, bs, Hkv).mean(1)[on]
         km[:, layer], vn[:, layer] = kb.cpu().numpy(), vb.cpu().numpy()
@@ -215,7 +231,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     return {
         "block": known.astype(np.int32), "position": (known * bs).astype(np.int64),
         "age": (t_sub[known] - known * bs).astype(np.float32),
-        "key_mean": km, "value_norm": vn, "attention": att,
+        "key_mean": km, "value_norm": vn, "attention": att, "reach": rch,
         "times": np.asarray(pick, np.int64), "known": np.asarray(nk, np.int64),
         "targets": targets, "block_size": bs, "first_block": first, "length": T, "prompt_len": prompt_len,
     }

@@ -88,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-diff", action="store_true",
                    help="the curve also weighs each block's KeyDiff score (cosine distance to the row's mean "
                         "key) at plan time (with --init: added to that network, starting as it was)")
+    p.add_argument("--reach", action="store_true",
+                   help="each block also sees its reach: the peak attention its own queries paid to one block "
+                        "outside their recent window (with --init: added to that network, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -97,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def decision(ex: dict, i: int):
     """Inputs and target of decision i of a trace: (arrays of the known blocks, now, target [L, H, k])."""
     k = int(ex["known"][i])
-    a = {f: ex[f][:k] for f in ("block", "position", "age", "key_mean", "value_norm", "attention")}
+    a = {f: ex[f][:k] for f in ("block", "position", "age", "key_mean", "value_norm", "attention", "reach")
+         if f in ex}                                                     # traces before reach have none
     return a, float(ex["times"][i]), ex["targets"][i]
 
 
@@ -254,6 +258,25 @@ def with_key_diff(net):
     return grown
 
 
+def with_reach(net):
+    """The same network reading the reach column too, through a zero weight: it
+    scores exactly as before until training moves that weight."""
+    import dataclasses
+
+    import torch
+
+    from services.cache_manager.estimator import ValueEstimator
+
+    grown = ValueEstimator(dataclasses.replace(net.cfg, reach=True))
+    state = net.state_dict()
+    for name in ("scalar_in.0.weight", "cross_in.weight"):
+        if name in state:
+            w = state[name]
+            state[name] = torch.cat([w, torch.zeros(w.shape[0], 1)], 1)
+    grown.load_state_dict(state)
+    return grown
+
+
 # ------------------------------------------------------------------ training
 def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
           eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None,
@@ -388,6 +411,9 @@ def run(args) -> int:
     if cache is not None and cache.exists():
         data = torch.load(cache, weights_only=False)
         print(f"loaded {len(data)} traces from {cache}")
+        if args.reach and any("reach" not in e for e in data):
+            print(f"{cache} was traced before traces recorded reach: trace again for --reach")
+            return 2
     else:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
                               target=args.target, decode_only=args.decode_only, plan_interval=args.plan_interval,
@@ -444,9 +470,12 @@ def run(args) -> int:
         if args.key_diff and not cfg.key_diff:
             net = with_key_diff(net)
             cfg = net.cfg
+        if args.reach and not cfg.reach:
+            net = with_reach(net)
+            cfg = net.cfg
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
-                              cross_rows=args.cross_rows, key_diff=args.key_diff)
+                              cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach)
         net = ValueEstimator(cfg)
         prior = {}
     del lm
@@ -461,7 +490,7 @@ def run(args) -> int:
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
-                   "key_diff": cfg.key_diff, "families": args.families,
+                   "key_diff": cfg.key_diff, "reach": cfg.reach, "families": args.families,
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),

@@ -59,6 +59,11 @@ class EstimatorConfig:
     # heuristic keeps. Tried, level with the plain network (docs/estimator.md, "The
     # answer's own queries"); the shipped checkpoints have it off.
     key_diff: bool = False
+    # Each block also sees its "reach" (compute's peak block mass of the block's own
+    # queries outside their recent window): a recall value that just found its key's
+    # earlier mention in the question reaches far back; its neighbours do not
+    # (docs/estimator.md, "What the served model's attention says about recall").
+    reach: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -70,12 +75,15 @@ class EstimatorConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
-def scalar_features(position, age, attention, value_norm, key_mean, block) -> torch.Tensor:
-    """[..., N_SCALARS] from per-block arrays (any leading shape, broadcast):
-    position/age/block [...], attention/value_norm [...], key_mean [..., d]. Logs
-    keep the scales of short and long contexts, 1- and 16-token blocks, close."""
+def scalar_features(position, age, attention, value_norm, key_mean, block, reach=None) -> torch.Tensor:
+    """[..., N_SCALARS + 1] from per-block arrays (any leading shape, broadcast):
+    position/age/block [...], attention/value_norm/reach [...], key_mean [..., d]. Logs
+    keep the scales of short and long contexts, 1- and 16-token blocks, close. The
+    last column (reach; zeros when not given) is read only by networks with ``reach``."""
     att = torch.log(attention.clamp_min(0) + 1e-4)
     la = torch.log1p(age.clamp_min(0))
+    if reach is None:
+        reach = torch.zeros_like(attention)
     return torch.stack([
         att / 4,
         (att - la) / 4,                                    # mass per query since the block existed (h2o/age)
@@ -84,6 +92,7 @@ def scalar_features(position, age, attention, value_norm, key_mean, block) -> to
         torch.log(value_norm.clamp_min(0) + 1e-4) / 4,
         torch.log(torch.linalg.vector_norm(key_mean, dim=-1) + 1e-4) / 4,
         torch.log1p(position) - torch.log1p(block),        # ~ log block size
+        torch.log(reach.clamp_min(0) + 1e-4) / 4,
     ], -1)
 
 
@@ -137,12 +146,13 @@ class ValueEstimator(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.d_model
+        self.n_scalars = N_SCALARS + int(cfg.reach)
         self.key_in = nn.Sequential(nn.LayerNorm(cfg.head_dim), nn.Linear(cfg.head_dim, D))
-        self.scalar_in = nn.Sequential(nn.Linear(N_SCALARS, D), nn.SiLU(), nn.Linear(D, D))
+        self.scalar_in = nn.Sequential(nn.Linear(self.n_scalars, D), nn.SiLU(), nn.Linear(D, D))
         self.layer_emb = nn.Embedding(cfg.num_layers, D)
         self.head_emb = nn.Embedding(cfg.num_kv_heads, D)
         if cfg.cross_rows:
-            self.cross_in = nn.Linear(cfg.head_dim + N_SCALARS, cfg.cross_dim)
+            self.cross_in = nn.Linear(cfg.head_dim + self.n_scalars, cfg.cross_dim)
             self.cross_out = nn.Linear(cfg.num_layers * cfg.num_kv_heads * cfg.cross_dim, D)
             # Zero: a network continued with cross rows starts as the one it continues.
             nn.init.zeros_(self.cross_out.weight)
@@ -156,6 +166,7 @@ class ValueEstimator(nn.Module):
     def embed(self, key_mean, scalars, layer, head) -> torch.Tensor:
         """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n, D].
         With cross_rows, R must be every row of one sequence (L * Hkv, layer-major)."""
+        scalars = scalars[..., :self.n_scalars]                              # the reach column if it reads it
         rowe = self.layer_emb(layer) + self.head_emb(head)
         key = self.key_in[0](key_mean)                                     # LayerNorm, shared with the cross rows
         h = self.key_in[1](key) + self.scalar_in(scalars) + rowe[:, None, :]
@@ -255,7 +266,7 @@ def row_ids(L: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def block_inputs(a: dict, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Scoring-state arrays (block [n], position [n], age [n], key_mean [n, L, H, d],
-    value_norm/attention [n, L, H]) of blocks ``start:`` -> key_mean [R, m, d] and
+    value_norm/attention/reach [n, L, H]) of blocks ``start:`` -> key_mean [R, m, d] and
     scalars [R, m, S], R = L*H rows (layer-major)."""
     t = lambda x: torch.as_tensor(np.asarray(x[start:]), dtype=torch.float32)
     km = t(a["key_mean"])
@@ -263,8 +274,9 @@ def block_inputs(a: dict, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     km = km.permute(1, 2, 0, 3).reshape(L * H, m, d)
     vn = t(a["value_norm"]).permute(1, 2, 0).reshape(L * H, m)
     att = t(a["attention"]).permute(1, 2, 0).reshape(L * H, m)
+    reach = t(a["reach"]).permute(1, 2, 0).reshape(L * H, m) if "reach" in a else None   # older traces: none
     pos, age, blk = (t(a[f]).expand(L * H, m) for f in ("position", "age", "block"))
-    return km, scalar_features(pos, age, att, vn, km, blk)
+    return km, scalar_features(pos, age, att, vn, km, blk, reach)
 
 
 def block_times(a: dict, now: float | None = None) -> torch.Tensor:

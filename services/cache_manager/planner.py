@@ -166,10 +166,11 @@ class Planner:
         """Fold in a batch of features and the blocks compute's rows evicted
         since its last batch (ValueError if inconsistent)."""
         for r in records:
-            km, vn, att = np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention)
-            if len(km) != 3 or vn != km[:2] or att != km[:2]:
-                raise ValueError(f"block {r.block}: key_mean {km}, value_norm {vn}, attention {att} do not "
-                                 f"fit [L, Hkv, d], [L, Hkv], [L, Hkv]")
+            km, vn, att, reach = (np.shape(r.key_mean), np.shape(r.value_norm), np.shape(r.attention),
+                                  np.shape(r.reach))
+            if len(km) != 3 or vn != km[:2] or att != km[:2] or reach != km[:2]:
+                raise ValueError(f"block {r.block}: key_mean {km}, value_norm {vn}, attention {att}, reach {reach} "
+                                 f"do not fit [L, Hkv, d], [L, Hkv], [L, Hkv], [L, Hkv]")
         seq = self.state.get(request_id)
         for r in records:
             seq.add(r)

@@ -20,9 +20,14 @@ class BlockRecord:
     key_mean: np.ndarray    # [L, Hkv, d]
     value_norm: np.ndarray  # [L, Hkv]
     attention: np.ndarray   # [L, Hkv]
+    reach: np.ndarray | None = None   # [L, Hkv] (None: zeros, e.g. from a compute that does not send it)
+
+    def __post_init__(self):
+        if self.reach is None or np.size(self.reach) == 0:
+            self.reach = np.zeros(np.shape(self.value_norm), np.float32)
 
 
-_FIELDS = ("key_mean", "value_norm", "attention")
+_FIELDS = ("key_mean", "value_norm", "attention", "reach")
 
 
 class SequenceState:
@@ -83,7 +88,7 @@ class SequenceState:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Views of the first n rows, in arrival order: block [n], position [n], age [n],
-        key_mean [n, L, Hkv, d], value_norm [n, L, Hkv], attention [n, L, Hkv], gone [n, L, Hkv]."""
+        key_mean [n, L, Hkv, d], value_norm / attention / reach [n, L, Hkv], gone [n, L, Hkv]."""
         return {k: v[: self.n] for k, v in self._data.items()}
 
 

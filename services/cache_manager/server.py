@@ -69,7 +69,9 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
         records = [BlockRecord(block=b.block, position=b.position, age=b.age,
                                key_mean=from_float_array(b.key_mean),
                                value_norm=from_float_array(b.value_norm),
-                               attention=from_float_array(b.attention)) for b in batch.blocks]
+                               attention=from_float_array(b.attention),
+                               reach=from_float_array(b.reach) if b.HasField("reach") else None)
+                   for b in batch.blocks]
         gone = from_int_array(batch.gone) if batch.HasField("gone") else None
         self.planner.add(batch.request_id, records, gone, batch.prompt_tokens)
 

@@ -43,6 +43,7 @@ class BlockFeatures:
     attention: torch.Tensor       # [L, Hkv] accumulated attention received so far
     age: int                      # tokens since the block's first position
     prompt_tokens: int = 0        # the sequence's prompt length: picks the network trained for it
+    reach: torch.Tensor | None = None   # [L, Hkv] peak mass of its queries outside their recent window (None: zeros)
 
 
 @dataclass

@@ -109,7 +109,7 @@ class AdvisorClient:
         for rid, feats in by_request.items():
             with self._lock:
                 ctx = self._contexts.get(rid, {})
-            per_block = 4 * (feats[0].key_mean.numel() + feats[0].value_norm.numel() + feats[0].attention.numel())
+            per_block = 4 * (feats[0].key_mean.numel() + 3 * feats[0].value_norm.numel())
             step = max(1, MAX_PART_BYTES // per_block)
             parts = [feats[i:i + step] for i in range(0, len(feats), step)]
             if gone is not None and 4 * gone.numel() + per_block * len(parts[0]) > MAX_PART_BYTES:
@@ -120,7 +120,9 @@ class AdvisorClient:
                     block=f.block, position=f.position, age=f.age,
                     key_mean=to_float_array(f.key_mean.float().numpy()),
                     value_norm=to_float_array(f.value_norm.float().numpy()),
-                    attention=to_float_array(f.attention.float().numpy())) for f in part])
+                    attention=to_float_array(f.attention.float().numpy()),
+                    reach=to_float_array((torch.zeros_like(f.attention) if f.reach is None else f.reach)
+                                         .float().numpy())) for f in part])
                 if gone is not None and i == 0:
                     batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
                 self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),

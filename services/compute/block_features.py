@@ -68,16 +68,17 @@ def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFe
         col = torch.searchsorted(seq.block_index.contiguous(), names.expand(L, H, -1).contiguous())  # [L, Hkv, k]
         g = lambda t: t.gather(2, col).float()
         km = seq.key_mean.gather(2, col[..., None].expand(*col.shape, seq.head_dim)).float()
-        packed.append(torch.cat([km, g(seq.value_norm)[..., None], g(seq.acc_mass)[..., None]], 3)
-                      .permute(2, 0, 1, 3).reshape(len(r), -1))               # [k, L*Hkv*(d+2)]
+        packed.append(torch.cat([km, g(seq.value_norm)[..., None], g(seq.acc_mass)[..., None],
+                                 g(seq.reach)[..., None]], 3)
+                      .permute(2, 0, 1, 3).reshape(len(r), -1))               # [k, L*Hkv*(d+3)]
     host = torch.cat(packed).cpu() if packed else None
     out, at = [], 0
     for seq, r in leaving:
         L, H, d, bs, n = seq.num_layers, seq.num_kv_heads, seq.head_dim, seq.block_size, seq.num_cached
-        rows = host[at:at + len(r)].view(len(r), L, H, d + 2) if len(r) else []
+        rows = host[at:at + len(r)].view(len(r), L, H, d + 3) if len(r) else []
         at += len(r)
         out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs,
-                                  seq.num_prompt) for b, x in zip(r, rows)])
+                                  seq.num_prompt, x[..., d + 2]) for b, x in zip(r, rows)])
     return out
 
 
@@ -100,6 +101,7 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     km = torch.zeros(L, H, span + 1, d, device=dev).scatter_(2, idx[..., None].expand(L, H, NB, d), seq.key_mean.float())
     vn = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.value_norm.float())
     att = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.acc_mass.float())
+    reach = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.reach.float())
     held = torch.zeros(L, H, span + 1, dtype=torch.bool, device=dev).scatter_(2, idx, ok)
     present = held[..., :span].any(0).any(0).nonzero().flatten().tolist()
     # What each row no longer holds, for the advisor to rank last (-1 pads the rows).
@@ -109,6 +111,6 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     order = lost.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]
     gone = torch.where(lost.gather(2, order), names.gather(2, order), torch.full_like(order, -1))
     seq.gone = [gone.to(torch.int32).cpu()] if k else []
-    km, vn, att = km.cpu(), vn.cpu(), att.cpu()
+    km, vn, att, reach = km.cpu(), vn.cpu(), att.cpu(), reach.cpu()
     return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
-                          n - (first + j) * bs, seq.num_prompt) for j in present]
+                          n - (first + j) * bs, seq.num_prompt, reach[:, :, j]) for j in present]

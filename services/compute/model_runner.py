@@ -39,6 +39,7 @@ class _Prefill:
     last: list = None
     window: list = None
     fresh: bool = False     # the sequence's first tokens: nothing cached before this chunk
+    reach: list = None      # learned: per layer [Hkv, t], each query's reach (Sequence.reach_peak)
 
 
 @dataclass
@@ -124,7 +125,7 @@ class ModelRunner:
                 first = seq.num_blocks - 1 - ((n1 - 1) // bs - n0 // bs)
                 write_pages.append(seq.page_table[:, :, [first + p // bs - n0 // bs for p in range(n0, n1)]])
                 slot = (seq.block_index.long()[..., None] * bs + torch.arange(bs, device=dev)).flatten(2)
-                prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], [], n0 == 0))
+                prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], [], n0 == 0, []))
             if n1 == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
                 sampled.append(seq)
@@ -172,10 +173,28 @@ class ModelRunner:
             obs = [(b, seq) for b, (seq, _) in enumerate(decode) if seq.eviction.budget_blocks is not None]
             if obs:
                 observe_decode([s for _, s in obs], [mass[:, b, :, :s.num_blocks] for b, s in obs])
+            learned = [(b, seq) for b, seq in obs if seq.eviction.policy == "learned"]
+            if learned:
+                self._decode_reach(mass, learned)
         for pf in prefill:
             if pf.seq.eviction.budget_blocks is not None:
                 pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
+                if pf.reach:
+                    pf.seq.observe_reach(torch.stack(pf.reach), int(pf.q_pos[0]))
         return logits, sampled
+
+    def _decode_reach(self, mass: torch.Tensor, learned: list[tuple[int, Sequence]]) -> None:
+        """Sequence.reach_peak of each learned sequence's decode query, folded into
+        its newest block (the last column), for the whole batch at once: a few
+        launches per step whatever the batch (a call per sequence was a few each)."""
+        seqs = [s for _, s in learned]
+        dev, width = mass.device, mass.shape[3]
+        m = mass.index_select(1, torch.tensor([b for b, _ in learned], device=dev))      # [L, n, Hkv, NB]
+        last_token = (stack_columns([s.block_index for s in seqs], width, 1 << 30).long() + 1) * self.bs - 1
+        reach_from = torch.tensor([s.num_cached - 1 - s.eviction.recent for s in seqs], device=dev)
+        far = last_token < reach_from.view(1, -1, 1, 1)
+        peak = torch.where(far, m, torch.zeros((), device=dev)).amax(-1)                 # [L, n, Hkv]
+        torch._foreach_maximum_([s.reach[:, :, -1] for s in seqs], list(peak.unbind(1)))
 
     def _decode_meta(self, decode) -> "_Decode | None":
         if not decode:
@@ -291,4 +310,6 @@ class ModelRunner:
         pf.acc.append(blocks(probs.sum(2)))
         pf.last.append(window[:, -1])
         pf.window.append(window)
+        if seq.eviction.policy == "learned":
+            pf.reach.append(seq.reach_peak(blocks(probs), int(pf.q_pos[0]), layer))
         return out.permute(2, 0, 1, 3).reshape(t, self.Hq, d).to(q.dtype)

@@ -27,7 +27,7 @@ from kvkernels import ops
 from services.compute.kv_pool import KVPool
 from services.compute.sequence import Sequence
 
-STATS = ("acc_mass", "last_mass", "win_mass", "key_mean", "value_norm")
+STATS = ("acc_mass", "last_mass", "win_mass", "key_mean", "value_norm", "reach")
 
 
 @dataclass

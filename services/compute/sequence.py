@@ -24,7 +24,7 @@ SNAPKV_WINDOW = 64
 
 
 # Per-(layer, kv-head, block) columns: an eviction keeps the same ones of each.
-COLUMN_FIELDS = ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "value_norm")
+COLUMN_FIELDS = ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "value_norm", "reach")
 
 
 class SequenceStatus(enum.Enum):
@@ -104,6 +104,7 @@ class Sequence:
         self.win_ptr = 0
         self.key_mean = torch.zeros(L, H, 0, self.head_dim, device=dev)
         self.value_norm = torch.zeros(L, H, 0, device=dev)
+        self.reach = torch.zeros(L, H, 0, device=dev)              # the learned network's "reach" feature
         # field name -> (the field tensor, spare columns after it): append_blocks
         self.room: dict[str, tuple[torch.Tensor, int]] = {}
 
@@ -187,6 +188,28 @@ class Sequence:
         slots = (self.win_ptr + torch.arange(q, device=window.device)) % ring
         self.win_mass.index_copy_(3, slots, window[:, :, -q:].permute(0, 1, 3, 2).contiguous())
         self.win_ptr = (self.win_ptr + q) % ring
+
+    def reach_peak(self, mass: torch.Tensor, first: int, layer: int | None = None) -> torch.Tensor:
+        """The reach of queries at positions ``first ...`` from their block mass
+        ``mass[(L,) Hkv, q, NB]`` over this sequence's columns (of ``layer`` only,
+        if given) -> ``[(L,) Hkv, q]``: each query's peak mass on one block wholly
+        outside its recent window, where a token that reads something from far
+        back (a recall value finding its key's earlier mention) stands out."""
+        q = mass.shape[-2]
+        qpos = torch.arange(first, first + q, device=mass.device)
+        index = self.block_index if layer is None else self.block_index[layer]
+        last_token = (index.long() + 1) * self.block_size - 1                       # [(L,) Hkv, NB]
+        far = last_token[..., None, :] < (qpos - self.eviction.recent)[:, None]
+        return torch.where(far, mass, torch.zeros((), device=mass.device)).amax(-1)
+
+    def observe_reach(self, peak: torch.Tensor, first: int) -> None:
+        """Fold the reach ``peak[L, Hkv, q]`` of queries at positions ``first ...``
+        into their own blocks (the trailing columns, the same in every row): a
+        block's reach is the peak over its tokens' queries."""
+        q, bs = peak.shape[2], self.block_size
+        blocks = torch.arange(first, first + q, device=peak.device) // bs
+        col = self.num_blocks - 1 - (int(blocks[-1]) - blocks)
+        self.reach.scatter_reduce_(2, col.expand(*peak.shape[:2], q), peak.to(self.reach.dtype), "amax")
 
     def pages(self) -> torch.Tensor:
         return self.page_table.reshape(-1)

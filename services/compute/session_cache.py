@@ -85,7 +85,7 @@ class SessionCache:
         """At admission: ``seq`` takes over its parked session's pages and statistics."""
         old = self.take(seq.sampling.session_id)
         seq.session_claim = False
-        for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean",
+        for name in ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "reach",
                      "value_norm", "win_ptr", "num_cached", "feat_upto", "sent_upto"):
             setattr(seq, name, getattr(old, name))
         if seq.eviction.budget_blocks is not None:

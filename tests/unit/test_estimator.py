@@ -458,3 +458,43 @@ def test_key_diff_input_starts_as_the_network_it_grows_and_scores_exactly_increm
     assert back.cfg.key_diff
     with torch.no_grad():
         assert torch.equal(back(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+
+
+def test_reach_input_starts_as_the_network_it_grows_and_is_read_served_as_in_training(tmp_path):
+    """--reach added to a trained (cross-row) network scores as that network
+    until its weight moves; then a block's reach changes its score, the live
+    scorer over BlockRecords (what the cache-manager holds) equals a full pass
+    over the same arrays, and a checkpoint round-trips. Records without reach
+    (an older compute) read as zeros, as the arrays without it do."""
+    from kvpop.training.train_estimator import with_reach
+
+    plain = _net(5, cross_rows=True)
+    grown = with_reach(plain).eval()
+    assert grown.cfg.reach and not plain.cfg.reach
+    a = _arrays(30, seed=7)
+    a["reach"] = np.random.default_rng(8).random((30, L, H)).astype(np.float32)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        grown.scalar_in[0].weight[:, -1].normal_(std=2.0)
+        grown.cross_in.weight[:, -1].normal_(std=2.0)
+        full = grown(*rows_from_arrays(a), layer, head)
+        flat = dict(a, reach=np.zeros_like(a["reach"]))
+        assert not torch.allclose(full, grown(*rows_from_arrays(flat), layer, head), atol=1e-3)
+    seq = ScoringState().get("r")
+    for i in range(30):
+        r = _records(a, i, i + 1)[0]
+        r.reach = a["reach"][i]
+        seq.add(r)
+    got = LearnedScorer(grown).score(seq)
+    assert np.allclose(got, full.view(L, H, 30).permute(2, 0, 1).numpy(), atol=1e-4)
+    old = ScoringState().get("old")
+    for r in _records(a, 0, 30):
+        old.add(r)                                   # no reach: zeros
+    with torch.no_grad():
+        want = grown(*rows_from_arrays(flat), layer, head).view(L, H, 30).permute(2, 0, 1).numpy()
+    assert np.allclose(LearnedScorer(grown).score(old), want, atol=1e-4)
+    back = load(save(grown, tmp_path / "reach.safetensors"))
+    assert back.cfg.reach
+    with torch.no_grad():
+        assert torch.equal(back(*rows_from_arrays(a), layer, head), full)

@@ -188,6 +188,9 @@ def test_trace_features_are_what_the_engine_streams(interval):
         assert torch.allclose(f.attention, torch.from_numpy(ex["attention"][i]), atol=1e-4)
         assert torch.allclose(f.key_mean, torch.from_numpy(ex["key_mean"][i]), atol=1e-5)
         assert torch.allclose(f.value_norm, torch.from_numpy(ex["value_norm"][i]), atol=1e-5)
+        assert torch.allclose(f.reach, torch.from_numpy(ex["reach"][i]), atol=1e-5)
+    # Reach is a real signal here, not zeros on both sides: blocks past the recent window exist.
+    assert float(np.abs(ex["reach"]).max()) > 0.01
 
 
 def test_submission_times_follow_the_window():
