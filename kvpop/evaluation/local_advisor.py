@@ -35,6 +35,10 @@ class LocalAdvisor:
         self.score_seconds = 0.0
 
     @property
+    def reads_reach(self) -> bool:
+        return "reach" in self.planner.reads
+
+    @property
     def policy_name(self) -> str:
         return self.planner.policy_name
 

@@ -86,8 +86,16 @@ class EvictionPlan(_message.Message):
     estimator: str
     def __init__(self, request_id: _Optional[str] = ..., evict: _Optional[_Union[IntArray, _Mapping]] = ..., covers: _Optional[int] = ..., ranker: _Optional[str] = ..., estimator: _Optional[str] = ...) -> None: ...
 
+class AdvisorInputs(_message.Message):
+    __slots__ = ("reads",)
+    READS_FIELD_NUMBER: _ClassVar[int]
+    reads: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reads: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AdvisorReply(_message.Message):
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "inputs")
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
     plan: EvictionPlan
-    def __init__(self, plan: _Optional[_Union[EvictionPlan, _Mapping]] = ...) -> None: ...
+    inputs: AdvisorInputs
+    def __init__(self, plan: _Optional[_Union[EvictionPlan, _Mapping]] = ..., inputs: _Optional[_Union[AdvisorInputs, _Mapping]] = ...) -> None: ...

@@ -90,6 +90,12 @@ class Planner:
         """The primary network (None: the heuristic ranks)."""
         return self.scorers[0] if self.scorers else None
 
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The optional BlockFeatures inputs a loaded network reads (compute
+        skips measuring the others)."""
+        return ("reach",) if any(sc.model.cfg.reach for sc in self.scorers) else ()
+
     def _use(self, models: list[tuple], source: str | None = None) -> None:
         from services.cache_manager.estimator import LearnedScorer
 

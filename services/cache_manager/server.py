@@ -100,7 +100,9 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                 inbox.put_nowait(None)
 
         reader = asyncio.ensure_future(read())
+        told = self.planner.reads
         try:
+            yield pb.AdvisorReply(inputs=pb.AdvisorInputs(reads=told))
             while True:
                 msgs = [await inbox.get()]
                 while not inbox.empty():
@@ -141,6 +143,9 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                         span.set_attribute("kvpop.estimator", reply.plan.estimator)
                     get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
                     yield reply
+                if self.planner.reads != told:      # a reload changed what the networks read
+                    told = self.planner.reads
+                    yield pb.AdvisorReply(inputs=pb.AdvisorInputs(reads=told))
                 if msgs[-1] is None:
                     return
         finally:

@@ -112,6 +112,7 @@ class EvictionAdvisor(Protocol):
     connected: bool               # False: no plan can come now (the engine falls back at once)
     epoch: int                    # bumped when the advisor lost its state (reconnect): features are re-sent
     on_plan: Callable[[], None] | None   # set by the engine's loop: called (any thread) when a plan arrives
+    reads_reach: bool             # its networks read BlockFeatures.reach (False: compute need not measure it)
 
     def submit(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
         """Features of one sequence's blocks; ``gone`` [L, Hkv, k]: blocks its rows

@@ -59,10 +59,12 @@ class AdvisorClient:
         self.connected = False
         self.epoch = 0
         self.on_plan = None
+        # What the cache-manager's networks read; until it says, measure everything.
+        self.reads_reach = True
         # request id -> (blocks sent up to, when) of its feature batches not yet answered by a plan
         self._sent_at: dict[str, deque[tuple[int, float]]] = {}
         self.stats = {"features_sent": 0, "plans_received": 0, "reconnects": 0, "dropped": 0,
-                      "malformed_plans": 0}
+                      "malformed_plans": 0, "reads_reach": 1, "inputs_heard": 0}
 
     # ------------------------------------------------ engine thread side
     def set_context(self, request_id: str, carrier: dict[str, str]) -> None:
@@ -142,6 +144,16 @@ class AdvisorClient:
             await wake.wait()
 
     def _on_reply(self, reply: pb.AdvisorReply) -> None:
+        if reply.HasField("inputs"):
+            reads = "reach" in reply.inputs.reads
+            if reads != self.reads_reach or not self.stats["inputs_heard"]:
+                log.info("the cache-manager's networks %s: reach %s", "read reach" if reads else "do not read reach",
+                         "measured for learned sequences" if reads else "not measured")
+            self.reads_reach = reads
+            self.stats["reads_reach"] = int(reads)
+            self.stats["inputs_heard"] += 1
+        if not reply.HasField("plan"):
+            return
         p = reply.plan
         try:
             evict = torch.from_numpy(from_int_array(p.evict).copy())

@@ -301,6 +301,7 @@ class LLMEngine:
                 outputs.append(self._finish(self.seqs[rid], "abort", None, "", None))
         self._aborts.clear()
         self._take_plans()
+        self.runner.measure_reach = self.advisor is not None and getattr(self.advisor, "reads_reach", True)
         batch = self.scheduler.schedule()
         self.idle = not batch
         if not batch:

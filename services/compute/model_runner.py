@@ -86,6 +86,9 @@ class ModelRunner:
         self.device = model.device
         self.window = cfg.sliding_window
         self.fused = ops.backend_for(pool.k_pages) != "reference"   # CUDA kernels
+        # Learned sequences' reach (Sequence.reach_peak) is measured only while the
+        # advisor's networks read it: the engine follows what the advisor says.
+        self.measure_reach = True
 
     # ------------------------------------------------------------ pages
     def _grow(self, batch: list[tuple[Sequence, int]]) -> None:
@@ -174,7 +177,7 @@ class ModelRunner:
             if obs:
                 observe_decode([s for _, s in obs], [mass[:, b, :, :s.num_blocks] for b, s in obs])
             learned = [(b, seq) for b, seq in obs if seq.eviction.policy == "learned"]
-            if learned:
+            if learned and self.measure_reach:
                 self._decode_reach(mass, learned)
         for pf in prefill:
             if pf.seq.eviction.budget_blocks is not None:
@@ -310,6 +313,6 @@ class ModelRunner:
         pf.acc.append(blocks(probs.sum(2)))
         pf.last.append(window[:, -1])
         pf.window.append(window)
-        if seq.eviction.policy == "learned":
+        if seq.eviction.policy == "learned" and self.measure_reach:
             pf.reach.append(seq.reach_peak(blocks(probs), int(pf.q_pos[0]), layer))
         return out.permute(2, 0, 1, 3).reshape(t, self.Hq, d).to(q.dtype)

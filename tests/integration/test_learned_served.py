@@ -96,6 +96,9 @@ def wait_metrics(st, before: dict, evicted: int) -> dict:
 
 def test_network_decides_one_stream_and_16_concurrent(served, gateway):
     wait_until(lambda: compute_info(served).advisor_connected, 30, "compute to reach the cache-manager")
+    # The shipped default network reads reach, and the cache-manager said so on the stream.
+    extra = compute_info(served).stats.extra
+    assert extra["advisor_inputs_heard"] >= 1 and extra["advisor_reads_reach"] == 1.0, dict(extra)
     before = learned_evictions(served)
     one = run(gateway, prompts(1, seed=11, lo=1150, hi=1250)[0], 0.25)
     net, ev = network_share([one.usage])

@@ -310,6 +310,9 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
                 return {ln.split('estimator="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1])
                         for ln in lines if ln.startswith("kvpop_eviction_plans_sent_total{")}
             cm_log = (tmp_path / "state" / "logs" / "cache-manager.log").read_text()
+            # Neither SmolLM2 network reads reach: the cache-manager said so and compute skips the pass.
+            compute_log = (tmp_path / "state" / "logs" / "compute.log").read_text()
+            assert "do not read reach: reach not measured" in compute_log
             assert cm_log.count("estimator loaded from") == 2 and "estimator-long.safetensors" in cm_log
             before = plans_by_network()
             assert before.get("estimator.safetensors", 0) > 0 and not before.get("estimator-long.safetensors")

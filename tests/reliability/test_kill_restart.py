@@ -153,8 +153,11 @@ def test_internal_apis_need_the_stack_token(up):
     assert (Path(up.stack.token_file).stat().st_mode & 0o777) == 0o600
     assert up.compute_info().model.num_layers > 0
     with sync_channel(cm, up.security()) as ch:
-        assert list(cache_manager_pb2_grpc.CacheManagerStub(ch).Advise(
-            iter([cache_manager_pb2.AdvisorMessage()]), timeout=10)) == []
+        replies = list(cache_manager_pb2_grpc.CacheManagerStub(ch).Advise(
+            iter([cache_manager_pb2.AdvisorMessage()]), timeout=10))
+        # The stream's opening reply says what the networks read; an empty message earns no plan.
+        assert [r.HasField("plan") for r in replies] == [False]
+        assert replies[0].HasField("inputs")
 
 
 def _sampling(max_tokens: int) -> compute_pb2.Sampling:

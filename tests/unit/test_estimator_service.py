@@ -89,6 +89,7 @@ class CacheManager:
         _wait(serving, 60, "the cache-manager to serve")
         self.outbox: queue.Queue = queue.Queue()
         self.replies = pb_grpc.CacheManagerStub(self.channel).Advise(iter(self.outbox.get, None))
+        self.inputs = next(self.replies).inputs      # every stream opens with what the networks read
 
     def plan(self, rid: str, records) -> np.ndarray:
         self.outbox.put(_msg(rid, records))
@@ -351,3 +352,17 @@ def test_compute_says_each_prompt_length_and_the_service_routes_by_it(tmp_path, 
             local = Planner(tmp_path).apply(rid, recs, prompt_tokens)
             assert plans[rid].estimator == want == local.estimator
             assert np.array_equal(plans[rid].evict.numpy(), local.evict)
+
+
+def test_the_stream_opens_with_what_the_networks_read(tmp_path, manager):
+    """Compute measures reach only for a network that reads it: the cache-manager
+    says which on every stream (a network without reach, one with, the heuristic)."""
+    plain, reach = tmp_path / "plain.safetensors", tmp_path / "reach.safetensors"
+    save(_net(1), plain)
+    torch.manual_seed(1)
+    save(ValueEstimator(EstimatorConfig(L, H, D, d_model=16, reach=True)).eval(), reach)
+    assert list(manager(str(plain)).inputs.reads) == []
+    cm = manager(str(reach))
+    assert list(cm.inputs.reads) == ["reach"]
+    assert cm.plan("a", _records(6, seed=1)).shape[:2] == (L, H)     # plans follow as before
+    assert list(manager("none").inputs.reads) == []

@@ -230,3 +230,26 @@ def test_prompt_file_traces_read_prompts_chats_and_completions(tmp_path):
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     with pytest.raises(ValueError, match="p.jsonl:2: needs 'prompt' or 'messages'"):
         prompt_file_traces(model, tok, f, cfg, progress=False)
+
+
+def test_reach_is_measured_only_while_the_advisor_reads_it():
+    """An advisor whose networks do not read reach (SmolLM2's) spares compute the
+    pass; the other features and the tokens are what they were."""
+    model = tiny_model(seed=5)
+    prompt = random_prompt(37, seed=2)
+    sent = {}
+    for reads in (True, False):
+        rec = Recording()
+        rec.reads_reach = reads
+        eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True,
+                          plan_interval=1)
+        eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
+                        EvictionParams("learned", budget=1.0, sink=4, recent=8))
+        tokens = [o.token_id for o in run_all(eng)["r"]]
+        sent[reads] = (tokens, {f.block: f for f in rec.features})
+    (tok_on, on), (tok_off, off) = sent[True], sent[False]
+    assert tok_on == tok_off and sorted(on) == sorted(off)
+    assert max(float(f.reach.abs().max()) for f in on.values()) > 0.01
+    assert all(float(f.reach.abs().max()) == 0.0 for f in off.values())
+    for b in on:
+        assert torch.equal(on[b].attention, off[b].attention) and torch.equal(on[b].key_mean, off[b].key_mean)
