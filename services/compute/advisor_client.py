@@ -144,14 +144,12 @@ class AdvisorClient:
             await wake.wait()
 
     def _on_reply(self, reply: pb.AdvisorReply) -> None:
-        if reply.HasField("inputs"):
-            reads = "reach" in reply.inputs.reads
-            if reads != self.reads_reach or not self.stats["inputs_heard"]:
-                log.info("the cache-manager's networks %s: reach %s", "read reach" if reads else "do not read reach",
-                         "measured for learned sequences" if reads else "not measured")
-            self.reads_reach = reads
-            self.stats["reads_reach"] = int(reads)
+        if reply.HasField("inputs"):     # once per stream, and after a reload that changed it
+            self.reads_reach = "reach" in reply.inputs.reads
+            self.stats["reads_reach"] = int(self.reads_reach)
             self.stats["inputs_heard"] += 1
+            log.info("the cache-manager's networks %s", "read reach: reach measured for learned sequences"
+                     if self.reads_reach else "do not read reach: reach not measured")
         if not reply.HasField("plan"):
             return
         p = reply.plan

@@ -366,3 +366,10 @@ def test_the_stream_opens_with_what_the_networks_read(tmp_path, manager):
     assert list(cm.inputs.reads) == ["reach"]
     assert cm.plan("a", _records(6, seed=1)).shape[:2] == (L, H)     # plans follow as before
     assert list(manager("none").inputs.reads) == []
+    # A reload that changes what the networks read is told on the open stream, after the round's plans.
+    save(_net(1), reach)
+    os.killpg(cm.proc.pid, signal.SIGHUP)
+    _wait(lambda: cm.log_count("estimator loaded from") == 2, 20, "the reload")
+    cm.outbox.put(_msg("b", _records(6, seed=2)))
+    plan, told = next(cm.replies), next(cm.replies)
+    assert plan.plan.request_id == "b" and not told.HasField("plan") and list(told.inputs.reads) == []
