@@ -91,6 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reach", action="store_true",
                    help="each block also sees its reach: the peak attention its own queries paid to one block "
                         "outside their recent window (with --init: added to that network, starting as it was)")
+    p.add_argument("--prev-block", action="store_true",
+                   help="each block also sees the cross-row summary of the block before it (needs --cross-rows or "
+                        "an --init network with it; with --init: added to that network, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -473,9 +476,22 @@ def run(args) -> int:
         if args.reach and not cfg.reach:
             net = with_reach(net)
             cfg = net.cfg
+        if args.prev_block and not cfg.prev_block:
+            if not cfg.cross_rows:
+                print("--prev-block reads the cross-row summary: add --cross-rows")
+                return 2
+            cfg.prev_block = True
+            grown = ValueEstimator(cfg)
+            missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
+            assert not unexpected and all(k.startswith("prev_") for k in missing), (missing, unexpected)
+            net = grown
     else:
+        if args.prev_block and not args.cross_rows:
+            print("--prev-block reads the cross-row summary: add --cross-rows")
+            return 2
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
-                              cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach)
+                              cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach,
+                              prev_block=args.prev_block)
         net = ValueEstimator(cfg)
         prior = {}
     del lm
@@ -490,7 +506,8 @@ def run(args) -> int:
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
-                   "key_diff": cfg.key_diff, "reach": cfg.reach, "families": args.families,
+                   "key_diff": cfg.key_diff, "reach": cfg.reach, "prev_block": cfg.prev_block,
+                   "families": args.families,
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),

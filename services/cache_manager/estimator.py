@@ -64,6 +64,11 @@ class EstimatorConfig:
     # earlier mention in the question reaches far back; its neighbours do not
     # (docs/estimator.md, "What the served model's attention says about recall").
     reach: bool = False
+    # Each block also sees the cross-row summary of the block just before it: at block
+    # size 1 a recall value's predecessor is its key, whose deeper-layer features say
+    # more about "was this pair asked" than the value's own (docs/estimator.md,
+    # "The previous block as an input"). Needs cross_rows.
+    prev_block: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -157,15 +162,23 @@ class ValueEstimator(nn.Module):
             # Zero: a network continued with cross rows starts as the one it continues.
             nn.init.zeros_(self.cross_out.weight)
             nn.init.zeros_(self.cross_out.bias)
+        if cfg.prev_block:
+            if not cfg.cross_rows:
+                raise ValueError("prev_block needs cross_rows (it reads the previous block's cross-row summary)")
+            self.prev_out = nn.Linear(cfg.num_layers * cfg.num_kv_heads * cfg.cross_dim, D)
+            nn.init.zeros_(self.prev_out.weight)
+            nn.init.zeros_(self.prev_out.bias)
         self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
         # Per block: a bias and one coefficient per time feature (a learned decay curve).
         self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(),
                                  nn.Linear(D, 1 + N_TIME + int(cfg.key_diff)))
 
     # ------------------------------------------------------------ pieces
-    def embed(self, key_mean, scalars, layer, head) -> torch.Tensor:
-        """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n, D].
-        With cross_rows, R must be every row of one sequence (L * Hkv, layer-major)."""
+    def embed(self, key_mean, scalars, layer, head, context: int = 0) -> torch.Tensor:
+        """key_mean [R, n, d], scalars [R, n, S], layer/head [R] -> h0 [R, n - context, D]:
+        the first ``context`` blocks (0 or 1) are the ones just before the blocks
+        embedded, given only for prev_block. With cross_rows, R must be every row of
+        one sequence (L * Hkv, layer-major)."""
         scalars = scalars[..., :self.n_scalars]                              # the reach column if it reads it
         rowe = self.layer_emb(layer) + self.head_emb(head)
         key = self.key_in[0](key_mean)                                     # LayerNorm, shared with the cross rows
@@ -175,9 +188,12 @@ class ValueEstimator(nn.Module):
             if R != self.cfg.num_layers * self.cfg.num_kv_heads:
                 raise ValueError(f"cross-row embedding needs all {self.cfg.num_layers * self.cfg.num_kv_heads} "
                                  f"rows of a sequence, got {R}")
-            u = self.cross_in(torch.cat([key, scalars], -1))                  # [R, n, e]
-            h = h + self.cross_out(u.permute(1, 0, 2).reshape(n, -1))[None]        # the same for every row
-        return h
+            u = self.cross_in(torch.cat([key, scalars], -1)).permute(1, 0, 2).reshape(n, -1)   # [n, R * e]
+            h = h + self.cross_out(u)[None]                                  # the same for every row
+            if self.cfg.prev_block:
+                before = torch.cat([u.new_zeros(1, u.shape[1]), u[:-1]])    # the first known block has none
+                h = h + self.prev_out(before)[None]
+        return h[:, context:]
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out(hidden)                                             # [R, n, 1 + N_TIME (+ 1)]
@@ -338,7 +354,8 @@ class LearnedScorer:
             if live is None:
                 live = LiveRows(self.model, layer, head, self.rescore_every)
                 c.update(model=self.model, revision=seq.revision, live=live)
-            live.update(*block_inputs(a, have), gone_rows(a))
+            ctx = int(self.model.cfg.prev_block and have > 0)
+            live.update(*block_inputs(a, have - ctx), gone_rows(a), context=ctx)
             c["n"] = n
             s = self.model.apply_curve(live.curves(), self._times(a))           # [R, n]
             return s.view(L, H, n).permute(2, 0, 1).numpy()
@@ -353,8 +370,9 @@ class LearnedScorer:
         elif n > have:
             # New blocks only: at each layer they attend over every known block's
             # cached keys/values (the old ones' deeper layers are stale until the next full pass).
-            km, sc = block_inputs(a, have)
-            h = self.model.embed(km, sc, layer, head)
+            ctx = int(self.model.cfg.prev_block)
+            km, sc = block_inputs(a, have - ctx)
+            h = self.model.embed(km, sc, layer, head, context=ctx)
             for i, blk in enumerate(self.model.blocks):
                 k, v = blk.project(h)
                 c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))

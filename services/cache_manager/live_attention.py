@@ -130,14 +130,15 @@ class LiveRows:
         order = live.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :width]
         self._take(order)
 
-    def update(self, km: torch.Tensor, sc: torch.Tensor, gone: torch.Tensor) -> None:
+    def update(self, km: torch.Tensor, sc: torch.Tensor, gone: torch.Tensor, context: int = 0) -> None:
         """km [R, m, d], sc [R, m, S]: features of the blocks that arrived since the
-        last update; gone [R, n] (n = blocks known after them)."""
+        last update, after ``context`` blocks known before (ValueEstimator.embed);
+        gone [R, n] (n = blocks known after them)."""
         self._drop_gone(gone[:, :self.n])
-        m = km.shape[1]
-        if not m:
+        m = km.shape[1] - context
+        if m <= 0:
             return
-        h0 = self.model.embed(km, sc, self.layer, self.head)
+        h0 = self.model.embed(km, sc, self.layer, self.head, context)
         k, v = self.blk.project(h0)
         q = self.blk.query(h0)
         if self.idx.shape[1]:               # blocks already held see the newcomers' keys

@@ -498,3 +498,61 @@ def test_reach_input_starts_as_the_network_it_grows_and_is_read_served_as_in_tra
     assert back.cfg.reach
     with torch.no_grad():
         assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
+
+
+def test_prev_block_input_starts_as_the_network_it_grows_and_scores_exactly_incrementally(tmp_path):
+    """--prev-block added to a trained cross-row network scores as that network
+    until its weight moves; then a block's score depends on the block before it
+    (and on no later one), and the incremental scorer, live (with rows evicting)
+    or not, matches a full pass over every known block after each burst."""
+    plain = _net(6, cross_rows=True)
+    grown = ValueEstimator(EstimatorConfig(L, H, D, d_model=16, cross_rows=True, prev_block=True)).eval()
+    missing, unexpected = grown.load_state_dict(plain.state_dict(), strict=False)
+    assert not unexpected and sorted(missing) == ["prev_out.bias", "prev_out.weight"]
+    a = _arrays(40, seed=9)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        grown.prev_out.weight.normal_(std=1.0)
+        full = grown(*rows_from_arrays(a), layer, head)
+        assert not torch.allclose(plain(*rows_from_arrays(a), layer, head), full, atol=1e-3)
+        # Changing block 10's features moves block 11's embedding (it is block 11's predecessor) ...
+        b = {k: v.copy() for k, v in a.items()}
+        b["key_mean"][10] += 3.0
+        km_a, sc_a, _ = rows_from_arrays(a)
+        km_b, sc_b, _ = rows_from_arrays(b)
+        ea, eb = grown.embed(km_a, sc_a, layer, head), grown.embed(km_b, sc_b, layer, head)
+        assert not torch.allclose(ea[:, 11], eb[:, 11], atol=1e-4)
+        # ... and no other block's but its own: the input looks one block back, never ahead.
+        others = [i for i in range(40) if i not in (10, 11)]
+        assert torch.allclose(ea[:, others], eb[:, others], atol=1e-6)
+        # With context=1 the first block only feeds the next one's input.
+        assert torch.allclose(grown.embed(km_a[:, 9:], sc_a[:, 9:], layer, head, context=1), ea[:, 10:], atol=1e-6)
+    with pytest.raises(ValueError, match="cross_rows"):
+        ValueEstimator(EstimatorConfig(L, H, D, prev_block=True))
+    grown.cfg.rescore_every = 1
+    rng = np.random.default_rng(10)
+    for live in (True, False):
+        scorer, seq, known = LearnedScorer(grown, live=live), ScoringState().get(f"p{live}"), 0
+        for burst in (9, 1, 1, 5, 1, 12, 2, 1, 8):
+            for r in _records(a, known, known + burst):
+                seq.add(r)
+            known += burst
+            if live:          # rows evict as served: what a row holds must stay exact
+                names = np.full((L, H, 2), -1, np.int32)
+                held = ~seq.arrays()["gone"]
+                for li in range(L):
+                    for hi in range(H):
+                        cand = seq.arrays()["block"][held[:, li, hi]]
+                        pick = rng.choice(cand, size=min(len(cand) - 1, 2), replace=False)
+                        names[li, hi, :len(pick)] = pick
+                seq.mark_gone(names)
+            got = scorer.score(seq)
+            with torch.no_grad():
+                want = grown(*rows_from_arrays(seq.arrays()), layer, head).view(L, H, known).permute(2, 0, 1)
+            held = ~seq.arrays()["gone"] if live else np.ones(got.shape, bool)
+            assert np.abs(got - want.numpy())[held].max() < 1e-4, (live, known)
+    back = load(save(grown, tmp_path / "prev.safetensors"))
+    assert back.cfg.prev_block
+    with torch.no_grad():
+        assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
