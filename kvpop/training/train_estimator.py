@@ -239,6 +239,22 @@ def evaluate(model, data: list[dict], pair_weight: float = 1.0) -> dict:
             "needed_at_k": nres, "decisions_with_needed_blocks": n_needed}
 
 
+def with_parts(net, **flags):
+    """The same network with the modules ``flags`` turn on (cross_rows=True,
+    prev_block=True), whose output layers start at zero: it scores exactly as
+    before until training moves them. ValueError for a combination the network
+    cannot have (prev_block without cross_rows)."""
+    import dataclasses
+
+    from services.cache_manager.estimator import ValueEstimator
+
+    grown = ValueEstimator(dataclasses.replace(net.cfg, **flags))
+    missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
+    new = tuple(f"{f.split('_')[0]}_" for f in flags)          # cross_in/cross_out, prev_out
+    assert not unexpected and all(k.startswith(new) for k in missing), (missing, unexpected)
+    return grown
+
+
 def with_key_diff(net):
     """The same network with a KeyDiff input to its curve whose weight starts at
     zero: it scores exactly as before until training moves that weight."""
@@ -465,11 +481,8 @@ def run(args) -> int:
             return 2
         prior = dict(cfg.trained or {})
         if args.cross_rows and not cfg.cross_rows:
-            cfg.cross_rows = True
-            grown = ValueEstimator(cfg)
-            missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
-            assert not unexpected and all(k.startswith("cross_") for k in missing), (missing, unexpected)
-            net = grown
+            net = with_parts(net, cross_rows=True)
+            cfg = net.cfg
         if args.key_diff and not cfg.key_diff:
             net = with_key_diff(net)
             cfg = net.cfg
@@ -477,22 +490,21 @@ def run(args) -> int:
             net = with_reach(net)
             cfg = net.cfg
         if args.prev_block and not cfg.prev_block:
-            if not cfg.cross_rows:
-                print("--prev-block reads the cross-row summary: add --cross-rows")
+            try:
+                net = with_parts(net, prev_block=True)
+            except ValueError as e:
+                print(f"--prev-block: {e}; add --cross-rows")
                 return 2
-            cfg.prev_block = True
-            grown = ValueEstimator(cfg)
-            missing, unexpected = grown.load_state_dict(net.state_dict(), strict=False)
-            assert not unexpected and all(k.startswith("prev_") for k in missing), (missing, unexpected)
-            net = grown
+            cfg = net.cfg
     else:
-        if args.prev_block and not args.cross_rows:
-            print("--prev-block reads the cross-row summary: add --cross-rows")
-            return 2
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
                               cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach,
                               prev_block=args.prev_block)
-        net = ValueEstimator(cfg)
+        try:
+            net = ValueEstimator(cfg)
+        except ValueError as e:
+            print(f"--prev-block: {e}; add --cross-rows")
+            return 2
         prior = {}
     del lm
     net.to(device)

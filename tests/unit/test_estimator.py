@@ -402,10 +402,10 @@ def test_cross_rows_let_a_row_use_what_only_another_row_shows():
         mass[cross] = evaluate(net, va)["mass_at_k"]["learned"]["mean"]
     assert mass[True] > mass[False] + 0.1, mass
 
+    from kvpop.training.train_estimator import with_parts
+
     plain = _net(2)
-    grown = ValueEstimator(EstimatorConfig(L, H, D, d_model=16, cross_rows=True)).eval()
-    missing, _ = grown.load_state_dict(plain.state_dict(), strict=False)
-    assert missing and all(k.startswith("cross_") for k in missing)
+    grown = with_parts(plain, cross_rows=True).eval()
     a = _arrays(30, seed=3)
     layer, head = row_ids(L, H)
     with torch.no_grad():
@@ -505,10 +505,11 @@ def test_prev_block_input_starts_as_the_network_it_grows_and_scores_exactly_incr
     until its weight moves; then a block's score depends on the block before it
     (and on no later one), and the incremental scorer, live (with rows evicting)
     or not, matches a full pass over every known block after each burst."""
+    from kvpop.training.train_estimator import with_parts
+
     plain = _net(6, cross_rows=True)
-    grown = ValueEstimator(EstimatorConfig(L, H, D, d_model=16, cross_rows=True, prev_block=True)).eval()
-    missing, unexpected = grown.load_state_dict(plain.state_dict(), strict=False)
-    assert not unexpected and sorted(missing) == ["prev_out.bias", "prev_out.weight"]
+    grown = with_parts(plain, prev_block=True).eval()
+    assert grown.cfg.prev_block and not plain.cfg.prev_block
     a = _arrays(40, seed=9)
     layer, head = row_ids(L, H)
     with torch.no_grad():
@@ -529,7 +530,7 @@ def test_prev_block_input_starts_as_the_network_it_grows_and_scores_exactly_incr
         # With context=1 the first block only feeds the next one's input.
         assert torch.allclose(grown.embed(km_a[:, 9:], sc_a[:, 9:], layer, head, context=1), ea[:, 10:], atol=1e-6)
     with pytest.raises(ValueError, match="cross_rows"):
-        ValueEstimator(EstimatorConfig(L, H, D, prev_block=True))
+        with_parts(_net(6), prev_block=True)
     grown.cfg.rescore_every = 1
     rng = np.random.default_rng(10)
     for live in (True, False):
