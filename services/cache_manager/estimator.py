@@ -48,6 +48,11 @@ class EstimatorConfig:
     # networks loaded, a sequence goes to the one trained on the shortest prompts
     # that still cover its own (planner.route).
     max_context: int = 0
+    # The block sizes it serves; empty = any. A network can be best at one block size and
+    # worse at another (the previous-block input reads a value's key at block size 1 but
+    # unrelated text at 16): with several loaded, a sequence goes to one made for its
+    # block size first (planner.route).
+    block_sizes: list = field(default_factory=list)
     # Each block also sees a small summary of its features in every row (layer x kv-head)
     # of the sequence: a row alone cannot tell which of its values a question asked for,
     # other rows' keys and attention can (docs/estimator.md, "Recall at 87.5%").

@@ -44,12 +44,17 @@ def resolve_checkpoints(setting: str | Path | None) -> list[Path]:
     return paths
 
 
-def route(scorers: list, prompt_tokens: int):
-    """Which network ranks a sequence: the one trained on the shortest prompts
-    that still cover its prompt; past all of them, one with no stated limit,
-    else the one trained longest. An unknown length (0) takes the first
-    (the primary). Networks fit for short prompts lose answers on long ones and
-    the other way round (docs/estimator.md, "Several networks")."""
+def route(scorers: list, prompt_tokens: int, block_size: int = 0):
+    """Which network ranks a sequence. Those made for its block size come first,
+    then those that state none (an unknown block size, 0, takes the latter).
+    Among them: the one trained on the shortest prompts that still cover its
+    prompt; past all of them, one with no stated limit, else the one trained
+    longest. An unknown length (0) takes the first (the primary). Networks fit
+    for short prompts lose answers on long ones and the other way round
+    (docs/estimator.md, "Several networks")."""
+    if len(scorers) > 1:
+        made_for = [s for s in scorers if block_size > 0 and block_size in s.model.cfg.block_sizes]
+        scorers = made_for or [s for s in scorers if not s.model.cfg.block_sizes] or scorers
     if len(scorers) <= 1 or prompt_tokens <= 0:
         return scorers[0] if scorers else None
     bounded = sorted((s for s in scorers if s.model.cfg.max_context > 0), key=lambda s: s.model.cfg.max_context)
@@ -150,7 +155,8 @@ class Planner:
             c = model.cfg
             lines.append(f"estimator loaded from {label} (L={c.num_layers} Hkv={c.num_kv_heads} d={c.head_dim}, "
                          f"d_model={c.d_model} depth={c.depth}, {sum(p.numel() for p in model.parameters())} "
-                         f"parameters, prompts up to {c.max_context or 'any length'})")
+                         f"parameters, prompts up to {c.max_context or 'any length'}, "
+                         f"block sizes {c.block_sizes or 'any'})")
         msg = "\n".join(lines)
         for line in lines:
             log.info(line)
@@ -185,7 +191,8 @@ class Planner:
         if gone is not None:
             seq.mark_gone(gone)
         if records and records[-1].block > 0:
-            self._check_block_size(records[-1].position // records[-1].block)
+            seq.block_size = records[-1].position // records[-1].block
+            self._check_block_size(seq.block_size)
 
     def _check_block_size(self, block_size: int) -> None:
         """Say once per block size when the network was trained on others: at block
@@ -205,7 +212,7 @@ class Planner:
         scores, scorer = None, None
         if self.scorers:
             shape = seq.arrays()["key_mean"].shape[1:]
-            scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens)
+            scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens, seq.block_size)
             if scorer is not None:
                 try:
                     scores = scorer.score(seq)

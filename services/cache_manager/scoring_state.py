@@ -39,6 +39,7 @@ class SequenceState:
         self.revision = 0                       # bumped when a known block's features are replaced
         self.cache: dict = {}                   # a policy's per-sequence memo (the estimator's hidden states)
         self.prompt_tokens = 0                  # the prompt's length, as compute says (0 = unknown)
+        self.block_size = 0                     # tokens per block, from a block's position (0 = unknown)
 
     def _grow(self, rec: BlockRecord) -> None:
         cap = max(16, 2 * self.n)

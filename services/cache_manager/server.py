@@ -5,10 +5,10 @@ an eviction plan for that sequence. A malformed message is logged and skipped:
 failing the stream would drop the plans of every other sequence on it.
 
 Blocks are ranked by the value-estimation network(s) loaded at start from
-``KVPOP_ESTIMATOR`` (default: ``models/default/estimator.safetensors``), or by
-the attention-per-age heuristic when there is no usable checkpoint. With
-several networks, each sequence is ranked by the one trained for its prompt's
-length (planner.route). SIGHUP reloads them without a restart (new plans use
+``KVPOP_ESTIMATOR`` (default: the networks in ``models/default``), or by the
+attention-per-age heuristic when there is no usable checkpoint. With several
+networks, each sequence is ranked by the one made for its block size and
+trained for its prompt's length (planner.route). SIGHUP reloads them without a restart (new plans use
 them at once; a broken file keeps the current policy).
 """
 from __future__ import annotations

@@ -372,6 +372,62 @@ def test_planner_routes_each_sequence_to_the_network_trained_for_its_prompt_leng
     assert len(mixed.scorers) == 3 and mixed.apply("s", recs, 40).estimator == "estimator.safetensors"
 
 
+def test_planner_routes_a_sequence_to_the_network_made_for_its_block_size(tmp_path):
+    """A network that states block sizes takes the sequences at those only, routed
+    by prompt length among its peers; the networks that state none take every other
+    sequence, and one whose block size is not known yet (only block 0 seen)."""
+    from services.cache_manager.planner import Planner
+
+    any_ = _net(1, max_context=1000)
+    bs4, bs4_long = _net(2, block_sizes=[4], max_context=100), _net(3, block_sizes=[4, 2], max_context=1000)
+    save(any_, tmp_path / "estimator.safetensors")
+    save(bs4, tmp_path / "estimator-bs4.safetensors")
+    save(bs4_long, tmp_path / "estimator-bs4long.safetensors")
+    assert load(tmp_path / "estimator-bs4long.safetensors").cfg.block_sizes == [4, 2]
+    planner = Planner(tmp_path)
+    assert len(planner.scorers) == 3
+    a4 = _arrays(40, seed=6)                                   # positions 4 x block: block size 4
+    a8 = dict(a4, position=a4["block"].astype(np.int64) * 8)
+    alone = {(net, bs): Planner(model=net).apply("x", _records(a, 0, 40)).evict
+             for net in (any_, bs4, bs4_long) for bs, a in ((4, a4), (8, a8))}
+    assert not np.array_equal(alone[(any_, 4)], alone[(bs4, 4)])
+    for rid, a, bs, prompt_tokens, want, name in (
+            ("s4", a4, 4, 80, bs4, "estimator-bs4.safetensors"),
+            ("l4", a4, 4, 500, bs4_long, "estimator-bs4long.safetensors"),
+            ("u4", a4, 4, 0, bs4, "estimator-bs4.safetensors"),
+            ("s8", a8, 8, 80, any_, "estimator.safetensors"),
+            ("l8", a8, 8, 500, any_, "estimator.safetensors")):
+        got = planner.apply(rid, _records(a, 0, 40), prompt_tokens)
+        assert got.estimator == name and np.array_equal(got.evict, alone[(want, bs)]), rid
+    first = BlockRecord(0, 0, 3, a4["key_mean"][0], a4["value_norm"][0], a4["attention"][0])
+    assert planner.apply("one", [first], 80).estimator == "estimator.safetensors"
+
+
+def test_the_default_model_ranks_block_size_1_with_its_previous_block_network():
+    """models/default ships two networks (docs/estimator.md, "The previous block as
+    an input"): estimator-bs1 (reads reach and the previous block, made for block
+    size 1) and the primary for every other block size."""
+    import json
+
+    from kvpop.paths import DEFAULT_MODEL_DIR
+    from services.cache_manager.planner import Planner
+
+    planner = Planner("")
+    mc = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    shape = (mc["num_hidden_layers"], mc["num_key_value_heads"], mc["head_dim"])
+    by_name = {sc.label: sc.model.cfg for sc in planner.scorers}
+    assert set(by_name) == {"estimator.safetensors", "estimator-bs1.safetensors"}
+    bs1 = by_name["estimator-bs1.safetensors"]
+    assert bs1.block_sizes == [1] and bs1.prev_block and bs1.reach and bs1.cross_rows
+    assert not by_name["estimator.safetensors"].block_sizes
+    rng = np.random.default_rng(0)
+    for bs, want in ((1, "estimator-bs1.safetensors"), (16, "estimator.safetensors"), (4, "estimator.safetensors")):
+        recs = [BlockRecord(b, b * bs, 8, rng.standard_normal(shape, dtype=np.float32),
+                            np.ones(shape[:2], np.float32), np.ones(shape[:2], np.float32)) for b in range(64)]
+        got = planner.apply(f"bs{bs}", recs, 64 * bs)
+        assert got.ranker == "network" and got.estimator == want, bs
+
+
 def _cross_synthetic(n_seq, rng):
     """Traces whose true future mass of a block, in every row, is set by its key in
     the last row only: the other rows' own features are noise for their targets."""

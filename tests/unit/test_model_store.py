@@ -149,19 +149,3 @@ def test_estimator_arg_takes_a_file_or_a_shipped_name(tmp_path, monkeypatch):
     for bad in ("smollm2-135m-short", "sub/smollm2-135m", "smollm2-135m,nope"):
         with pytest.raises(argparse.ArgumentTypeError, match="not a shipped estimator"):
             estimator_arg(bad)
-
-
-def test_the_block_size_1_default_estimator_is_shipped_by_name():
-    """`--estimator default-bs1` (docs/estimator.md, "The previous block as an
-    input"): the default model's shape, reads reach and the previous block."""
-    import json
-
-    from kvpop.model_store import estimator_arg
-    from kvpop.paths import DEFAULT_MODEL_DIR
-    from services.cache_manager.estimator import load
-
-    net = load(estimator_arg("default-bs1"))
-    mc = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    assert (net.cfg.num_layers, net.cfg.num_kv_heads, net.cfg.head_dim) == (
-        mc["num_hidden_layers"], mc["num_key_value_heads"], mc["head_dim"])
-    assert net.cfg.prev_block and net.cfg.reach and net.cfg.cross_rows
