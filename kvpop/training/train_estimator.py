@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n", type=int, default=160, help="instances to trace (TRAIN seeds)")
     p.add_argument("--minutes", type=float, default=10.0, help="training wall-clock budget")
     p.add_argument("--block-sizes", default="1,16", help="block sizes to trace (one drawn per sequence)")
+    p.add_argument("--serves-block-sizes", default=None, metavar="B[,B]",
+                   help="the block sizes this network is for, beside others in the model folder (the cache-manager "
+                        "routes a sequence at one of them to it; the others take the rest); default: any, or --init's")
     p.add_argument("--recent", default="8,32", help="recent windows to trace (one drawn per sequence)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--horizon", type=int, default=1024,
@@ -405,10 +408,12 @@ def run(args) -> int:
     try:
         bss = [int(x) for x in args.block_sizes.split(",") if x.strip()]
         recents = [int(x) for x in args.recent.split(",") if x.strip()]
+        serves = None if args.serves_block_sizes is None else \
+            sorted({int(x) for x in args.serves_block_sizes.split(",") if x.strip()})
     except ValueError:
-        print("--block-sizes and --recent take comma-separated integers")
+        print("--block-sizes, --serves-block-sizes and --recent take comma-separated integers")
         return 2
-    if not bss or not recents or min(bss) < 1 or min(recents) < 0 or args.n < 2:
+    if not bss or not recents or min(bss) < 1 or min(recents) < 0 or args.n < 2 or min(serves or [1]) < 1:
         print("need block sizes >= 1, recent >= 0 and --n >= 2")
         return 2
     if args.trace_only and not args.traces:
@@ -527,6 +532,8 @@ def run(args) -> int:
     # Traces cached before they recorded their prompt's length stand at --max-len.
     longest = max(int(e.get("prompt_len", args.max_len)) for e in data)
     cfg.max_context = max(longest, cfg.max_context if args.init else 0)
+    if serves is not None:
+        cfg.block_sizes = serves
     save(net.cpu(), out)
     png = out.with_name(out.stem + "_loss.png")
     plot(history, {k: v["mean"] for k, v in ev["mass_at_k"].items() if k != "learned"}, png)

@@ -239,10 +239,13 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     # --init continues from that checkpoint (its shape wins over --d-model) on the cached traces.
     out2 = tmp_path / "again.safetensors"
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--minutes", "0.05", "--d-model", "8",
-               "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--init", str(out), "--out", str(out2)])
+               "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--init", str(out), "--out", str(out2),
+               "--serves-block-sizes", "4,1"])
     again = load(out2).cfg
     assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
-    assert again.max_context == cfg.max_context
+    assert again.max_context == cfg.max_context and cfg.block_sizes == [] and again.block_sizes == [1, 4]
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--serves-block-sizes", "0", "--threads", "1",
+                 "--traces", str(tmp_path / "traces.pt"), "--out", str(out2)]) == 2
     # A family cycle: an unknown family is one line, not a traceback.
     assert main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "4", "--families", "recall,nope",
                  "--threads", "1", "--traces", str(tmp_path / "mix.pt"), "--trace-only"]) == 2
