@@ -406,10 +406,11 @@ def test_planner_routes_a_sequence_to_the_network_made_for_its_block_size(tmp_pa
     assert planner.apply("one", [first], 80).estimator == "estimator.safetensors"
 
 
-def test_the_default_model_ranks_block_size_1_with_its_previous_block_network():
-    """models/default ships two networks (docs/estimator.md, "The previous block as
-    an input"): estimator-bs1 (reads reach and the previous block, made for block
-    size 1) and the primary for every other block size."""
+def test_the_default_model_routes_block_sizes_1_and_16_to_their_own_networks():
+    """models/default ships three networks (docs/estimator.md, "The previous block as
+    an input", "A network for block size 16"): estimator-bs1 (reads reach and the
+    previous block, made for block size 1), estimator-bs16 (traced at block size 16
+    only) and the primary for every other block size."""
     import json
 
     from kvpop.paths import DEFAULT_MODEL_DIR
@@ -419,12 +420,14 @@ def test_the_default_model_ranks_block_size_1_with_its_previous_block_network():
     mc = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
     shape = (mc["num_hidden_layers"], mc["num_key_value_heads"], mc["head_dim"])
     by_name = {sc.label: sc.model.cfg for sc in planner.scorers}
-    assert set(by_name) == {"estimator.safetensors", "estimator-bs1.safetensors"}
+    assert set(by_name) == {"estimator.safetensors", "estimator-bs1.safetensors", "estimator-bs16.safetensors"}
     bs1 = by_name["estimator-bs1.safetensors"]
     assert bs1.block_sizes == [1] and bs1.prev_block and bs1.reach and bs1.cross_rows
+    assert by_name["estimator-bs16.safetensors"].block_sizes == [16]
     assert not by_name["estimator.safetensors"].block_sizes
     rng = np.random.default_rng(0)
-    for bs, want in ((1, "estimator-bs1.safetensors"), (16, "estimator.safetensors"), (4, "estimator.safetensors")):
+    for bs, want in ((1, "estimator-bs1.safetensors"), (16, "estimator-bs16.safetensors"),
+                     (4, "estimator.safetensors")):
         recs = [BlockRecord(b, b * bs, 8, rng.standard_normal(shape, dtype=np.float32),
                             np.ones(shape[:2], np.float32), np.ones(shape[:2], np.float32)) for b in range(64)]
         got = planner.apply(f"bs{bs}", recs, 64 * bs)
