@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", help="eviction policy (default: the server's)")
     p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
     p.add_argument("--sink-tokens", type=int, help="first positions never evicted (server default 4)")
-    p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 32)")
+    p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 8)")
     p.add_argument("--evict-after-prompt", action="store_true",
                    help="hold the budget from the end of the prompt on (the prompt is prefilled in full, then "
                         "evicted down once: a question at its end is seen first); default: during prefill too")

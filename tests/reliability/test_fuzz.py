@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 OK, IA, RE = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 INT32 = (-2**31, 2**31 - 1)
 MAX_PROMPT_CHARS, MAX_TOKENS_LIMIT, MAX_STOP, MAX_STOP_CHARS = 65536, 4096, 8, 256
-MIN_BUDGET = 48     # sink 4 + recent 32 rounded up to whole blocks of 8, + one block: the smallest token budget
+MIN_BUDGET = 24     # sink 4 + recent 8 rounded up to whole blocks of 8, + one block: the smallest token budget
 ID = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
                 suppress_health_check=list(HealthCheck))
