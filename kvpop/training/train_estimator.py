@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import random
 import time
 from pathlib import Path
@@ -433,7 +434,11 @@ def run(args) -> int:
         return 2
     cache = Path(args.traces) if args.traces else None
     if cache is not None and cache.exists():
-        data = torch.load(cache, weights_only=False)
+        try:
+            data = torch.load(cache, weights_only=False)
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
+            print(f"cannot read the traces in {cache} ({type(e).__name__}: {e}); delete it to trace again")
+            return 2
         print(f"loaded {len(data)} traces from {cache}")
         if args.reach and any("reach" not in e for e in data):
             print(f"{cache} was traced before traces recorded reach: trace again for --reach")
@@ -466,7 +471,11 @@ def run(args) -> int:
             print(f"only {len(data)} usable traces (prompts too short for sink + recent?): need at least 2")
             return 2
         if cache is not None:
-            torch.save(data, cache)
+            # Whole or not at all: a run killed while writing (or a reader started too early) must
+            # not find a truncated file at the name a later run loads.
+            part = Path(f"{cache}.part")
+            torch.save(data, part)
+            part.replace(cache)
     if args.trace_only:
         print(f"{len(data)} traces in {cache}")
         return 0

@@ -142,8 +142,10 @@ def run(args) -> int:
 
     def save():
         state["elapsed"] = time.time() - t0
+        part = Path(f"{ckpt_path}.part")   # a kill mid-write keeps the previous resumable checkpoint
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state,
-                    "solved": {f: list(v) for f, v in solved.items()}}, ckpt_path)
+                    "solved": {f: list(v) for f, v in solved.items()}}, part)
+        part.replace(ckpt_path)
         logf.flush()
         plot_curve(log_path, out / "training_curve.png")
         meta = {"step": state["step"], "minutes": round(state["elapsed"] / 60, 1),

@@ -225,6 +225,11 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--min-len", "64", "--max-len", "96",
                "--block-sizes", "1,4", "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--trace-only"])
     assert rc == 0 and (tmp_path / "traces.pt").exists() and not out.exists()
+    assert not (tmp_path / "traces.pt.part").exists()      # written aside, then renamed into place
+    # A truncated traces file (a run killed mid-write before writes were atomic) is one line, not a traceback.
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes((tmp_path / "traces.pt").read_bytes()[:1000])
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--threads", "1", "--traces", str(cut)]) == 2
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--minutes", "0.05",
                "--min-len", "64", "--max-len", "96", "--block-sizes", "1,4", "--threads", "1",
                "--traces", str(tmp_path / "traces.pt")])
