@@ -100,9 +100,8 @@ class CacheManagerConfig(ServerConfig):
                                    "block size 1, which an evict-after-prompt round may need)")
     estimator: str = setting("KVPOP_ESTIMATOR", "", "value-estimation checkpoint(s): a file, a model folder "
                              "(its estimator.safetensors and estimator-*.safetensors) or a comma-separated list, "
-                             "each sequence ranked by the one made for its block size and trained for its prompt's length "
-                             "('' = models/default, "
-                             "'none' = heuristic); SIGHUP reloads them")
+                             "each sequence ranked by the one made for its block size and trained for its prompt's "
+                             "length ('' = models/default, 'none' = heuristic); SIGHUP reloads them")
     scoring_threads: int = setting("KVPOP_SCORING_THREADS", 1,
                                    "torch threads of the network (small ops: more threads mostly contend "
                                    "with compute for the same cores)")

@@ -414,8 +414,8 @@ def run(args) -> int:
     except ValueError:
         print("--block-sizes, --serves-block-sizes and --recent take comma-separated integers")
         return 2
-    if not bss or not recents or min(bss) < 1 or min(recents) < 0 or args.n < 2 or min(serves or [1]) < 1:
-        print("need block sizes >= 1, recent >= 0 and --n >= 2")
+    if not bss or not recents or min(bss + (serves or [])) < 1 or min(recents) < 0 or args.n < 2:
+        print("need block sizes (--block-sizes, --serves-block-sizes) >= 1, recent >= 0 and --n >= 2")
         return 2
     if args.trace_only and not args.traces:
         print("--trace-only needs --traces FILE (where the traces go)")

@@ -84,7 +84,7 @@ class Planner:
         self.scorers: list = []   # LearnedScorer per network, primary first
         self.loaded = ""          # what the networks came from ('' = heuristic)
         self.loads = 0
-        self._warned: set[tuple] = set()
+        self._checked: set[tuple] = set()   # shapes and block sizes already checked (each said once)
         if model is not None:
             self._use([(model, "in-memory model")])
         else:
@@ -113,6 +113,7 @@ class Planner:
         self.scorers = scorers
         self.loaded = source or " + ".join(label for _, label in models)
         self.loads += 1
+        self._checked.clear()   # other networks: shapes and block sizes are checked against them anew
 
     @staticmethod
     def _warm_up(scorer) -> None:
@@ -190,18 +191,19 @@ class Planner:
             seq.prompt_tokens = int(prompt_tokens)
         if gone is not None:
             seq.mark_gone(gone)
-        if records and records[-1].block > 0:
-            seq.block_size = records[-1].position // records[-1].block
+        if records and seq.block_size:
             self._check_block_size(seq.block_size)
 
     def _check_block_size(self, block_size: int) -> None:
         """Say once per block size when the network was trained on others: at block
         sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked
         below the keydiff heuristic in our eval (docs/evaluation.md)."""
-        trained = sorted({b for sc in self.scorers for b in sc.model.cfg.trained.get("block_sizes") or []})
         key = ("block_size", block_size)
-        if trained and block_size not in trained and key not in self._warned:
-            self._warned.add(key)
+        if key in self._checked:   # every features batch comes here: check each block size once
+            return
+        self._checked.add(key)
+        trained = sorted({b for sc in self.scorers for b in sc.model.cfg.trained.get("block_sizes") or []})
+        if trained and block_size not in trained:
             log.warning("estimator %s was trained at block sizes %s; features arrive at block size %d, where "
                         "its rankings are untested (retrain with `kvpop train-estimator --block-sizes %d`)",
                         self.loaded, trained, block_size, block_size)
@@ -219,8 +221,8 @@ class Planner:
                 except Exception:  # noqa: BLE001 - a network failure must not cost the plan
                     seq.cache.clear()
                     log.exception("estimator failed on %s; ranking it with the heuristic", request_id)
-            elif shape not in self._warned:
-                self._warned.add(shape)
+            elif shape not in self._checked:
+                self._checked.add(shape)
                 log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
                             "for such sequences", self.loaded, shape)
         ranker, estimator = "network", scorer.label if scorer is not None else ""

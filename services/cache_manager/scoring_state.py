@@ -39,7 +39,6 @@ class SequenceState:
         self.revision = 0                       # bumped when a known block's features are replaced
         self.cache: dict = {}                   # a policy's per-sequence memo (the estimator's hidden states)
         self.prompt_tokens = 0                  # the prompt's length, as compute says (0 = unknown)
-        self.block_size = 0                     # tokens per block, from a block's position (0 = unknown)
 
     def _grow(self, rec: BlockRecord) -> None:
         cap = max(16, 2 * self.n)
@@ -86,6 +85,14 @@ class SequenceState:
 
     def __len__(self) -> int:
         return self.n
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block, from the newest block's position (0 = unknown: only block 0 seen)."""
+        if not self.n:
+            return 0
+        block = int(self._data["block"][self.n - 1])
+        return int(self._data["position"][self.n - 1]) // block if block > 0 else 0
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Views of the first n rows, in arrival order: block [n], position [n], age [n],

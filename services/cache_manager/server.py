@@ -8,8 +8,8 @@ Blocks are ranked by the value-estimation network(s) loaded at start from
 ``KVPOP_ESTIMATOR`` (default: the networks in ``models/default``), or by the
 attention-per-age heuristic when there is no usable checkpoint. With several
 networks, each sequence is ranked by the one made for its block size and
-trained for its prompt's length (planner.route). SIGHUP reloads them without a restart (new plans use
-them at once; a broken file keeps the current policy).
+trained for its prompt's length (planner.route). SIGHUP reloads them without
+a restart (new plans use them at once; a broken file keeps the current policy).
 """
 from __future__ import annotations
 
