@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                     rate = u.completion_tokens / dt if dt > 0 else 0.0
                     print(f"[{f.finish_reason_text or 'done'}] prompt {u.prompt_tokens} tok, completion "
                           f"{u.completion_tokens} tok, policy {u.policy}, kv blocks resident "
-                          f"{u.kv_blocks_resident} evicted {u.kv_blocks_evicted}{decisions(u)}, "
+                          f"{u.kv_blocks_resident} (peak {u.kv_blocks_peak}) evicted {u.kv_blocks_evicted}{decisions(u)}, "
                           f"ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s", file=sys.stderr)
         except grpc.RpcError as e:
             if first is not None:

@@ -13,9 +13,13 @@ the question and the answer run uncompressed on top. Two placements:
 - ``context``: the whole user message, question included, is compressed (as
   `kvpop eval --policies NAME+after` does), then the answer is generated.
 
-Accuracy is the suite's containment check. "held" is the KV a row holds at
-the end (kept context + question + answer, in tokens), to set beside the
-budget our policies hold throughout.
+Accuracy is the suite's containment check. KV is measured on the cache
+itself (``KVMeter``): "held" is what a (layer, kv-head) row holds in the
+answer's last step (kept context + question + answer so far, in tokens), to
+set beside the budget our policies hold; "peak" is the most KV bytes the
+cache held at once, read after each layer's attention and before the press
+compresses that layer (a press compresses layer by layer during the prefill,
+so the peak is the compressed earlier layers plus one whole layer).
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presses", default=",".join(PRESSES))
     p.add_argument("--question", choices=("end", "context", "both"), default="both",
                    help="end: question after compression (kvpress); context: compressed with the prompt")
+    p.add_argument("--question-at", choices=("end", "first"), default="end",
+                   help="where the prompt asks its question (kvpop eval --question): first puts it before the "
+                        "text, so it is compressed with the context (--question is then context)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
 
@@ -50,6 +57,30 @@ def make_press(name: str, compression: float):
     return cls(compression_ratio=compression)
 
 
+class KVMeter:
+    """Bytes in a transformers cache after every attention layer's forward. Its hooks are
+    registered before any press's (a press registers on entering its context), so they run
+    first: each reading sees that layer's full KV, the earlier layers as compressed."""
+
+    def __init__(self, model):
+        self.cache, self.peak, self.last = None, 0, 0
+        self.hooks = [layer.self_attn.register_forward_hook(self._read) for layer in model.model.layers]
+
+    def start(self, cache) -> None:
+        self.cache, self.peak, self.last = cache, 0, 0
+
+    def _read(self, module, args, output) -> None:
+        if self.cache is None:
+            return
+        n = 0
+        for layer in self.cache.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if t is not None and t.dim() == 4:
+                    n += t.numel() * t.element_size()
+        self.last = n
+        self.peak = max(self.peak, n)
+
+
 def split(content: str) -> tuple[str, str]:
     """The ruler prompt's user message -> (text before the question, the question)."""
     at = content.rindex("\n\nQuestion:")
@@ -59,7 +90,7 @@ def split(content: str) -> tuple[str, str]:
 def run(args) -> int:
     import torch
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 
     import kvpress  # noqa: F401  (registers the kv-press-text-generation pipeline)
     from kvpop.tasks import ruler
@@ -74,35 +105,46 @@ def run(args) -> int:
         print(f"unknown press {', '.join(bad)}; choose from {', '.join(PRESSES)}")
         return 2
     placements = ["end", "context"] if args.question == "both" else [args.question]
-    insts = ruler.model_test_set(args.model, args.n, lengths, families, args.seed)
+    if args.question_at == "first":
+        placements = ["context"]      # the question is part of the text before it
+    insts = ruler.model_test_set(args.model, args.n, lengths, families, args.seed, args.question_at)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
+    meter = KVMeter(model)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # Bytes one token takes in one (layer, kv-head) row: K and V.
+    row_token_bytes = 2 * head_dim * torch.empty((), dtype=model.dtype).element_size()
+    rows_of = cfg.num_hidden_layers * cfg.num_key_value_heads
     jobs = [(None, 0.0, "end")] + [(p, c, q) for q in placements for p in presses for c in comps]
     rows = []
     t0 = time.time()
     bar = tqdm(total=len(jobs) * len(insts), desc="kvpress", dynamic_ncols=True, mininterval=2)
     for press_name, comp, where in jobs:
         for inst in insts:
-            context, question = split(inst.messages[0]["content"])
-            if where == "context":
-                context, question = context + question, ""
+            content = inst.messages[0]["content"]
+            context, question = (content, "") if where == "context" else split(content)
             press = make_press(press_name, comp) if press_name else None
-            out = pipe(context, question=question, press=press, max_new_tokens=len(inst.solution_ids) + 16)
+            cache = DynamicCache()
+            meter.start(cache)
+            out = pipe(context, question=question, press=press, max_new_tokens=len(inst.solution_ids) + 16,
+                       cache=cache)
+            meter.cache = None          # its readings stay: the answer's last step and the peak
             answer = out["answer"]
             ctx_tokens = len(pipe.preprocess(context, [question], "", 1 << 30)["context_ids"][0])
-            kept = int(ctx_tokens * (1 - comp)) if press_name else ctx_tokens
             rows.append({"policy": f"kvpress:{press_name or 'dense'}" + ("+ctx" if where == "context" else ""),
-                         "compression": comp, "family": inst.family, "length": len(inst.prompt_ids),
+                         "compression": comp, "family": inst.family, "length": len(inst.prompt_ids), "asked_length": inst.length,
                          "seed": inst.seed, "correct": inst.check(answer), "answer": answer,
                          "context_tokens": ctx_tokens,
-                         "held_tokens": kept + len(inst.prompt_ids) - ctx_tokens + len(tok.encode(answer))})
+                         "held_tokens": meter.last / (rows_of * row_token_bytes),
+                         "peak_kv_mib": meter.peak / 2 ** 20})
             bar.update(1)
     bar.close()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"model": str(args.model), "kvpress": _version("kvpress"), "transformers": _version("transformers"),
-            "n_per_family": args.n, "lengths": lengths, "seed": args.seed, "seconds": round(time.time() - t0, 1)}
+            "n_per_family": args.n, "lengths": lengths, "seed": args.seed, "question_at": args.question_at, "seconds": round(time.time() - t0, 1)}
     (out_dir / "kvpress.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = table(rows, families)
     (out_dir / "kvpress.md").write_text(md + "\n")
@@ -114,8 +156,8 @@ def run(args) -> int:
 def table(rows: list[dict], families: list[str]) -> str:
     """Accuracy per (press, compression): each family, the mean, and the mean KV held per row."""
     keys = sorted({(r["policy"], r["compression"]) for r in rows}, key=lambda k: (k[1] > 0, k[0], k[1]))
-    head = "| press | compression | " + " | ".join(families) + " | mean | held tokens |"
-    lines = [head, "|" + " --- |" * 2 + " ---: |" * (len(families) + 2)]
+    head = "| press | compression | " + " | ".join(families) + " | mean | KV held (tokens/row) | peak KV (MiB) |"
+    lines = [head, "|" + " --- |" * 2 + " ---: |" * (len(families) + 3)]
     for pol, comp in keys:
         sel = [r for r in rows if (r["policy"], r["compression"]) == (pol, comp)]
         accs = []
@@ -123,8 +165,10 @@ def table(rows: list[dict], families: list[str]) -> str:
             fs = [r["correct"] for r in sel if r["family"] == f]
             accs.append(sum(fs) / len(fs) if fs else float("nan"))
         held = sum(r["held_tokens"] for r in sel) / len(sel)
+        peak = [r["peak_kv_mib"] for r in sel if "peak_kv_mib" in r]
         lines.append(f"| {pol} | {comp:.2%} | " + " | ".join(f"{a:.2f}" for a in accs)
-                     + f" | {sum(accs) / len(accs):.3f} | {held:.0f} |")
+                     + f" | {sum(accs) / len(accs):.3f} | {held:.0f} | "
+                     + (f"{sum(peak) / len(peak):.1f} |" if peak else "- |"))
     return "\n".join(lines)
 
 

@@ -28,6 +28,10 @@ def _seed_meta(seeds: list[int]):
     return seeds[0] if len(seeds) == 1 else seeds
 
 
+def _question_meta(args) -> dict:
+    return {"question": args.question} if args.suite == "real" else {}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
@@ -41,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "for a chat model (needle, multikey, multivalue, vartrack; kvpop/tasks/ruler.py)")
     p.add_argument("--lengths", default="1024,2048",
                    help="--suite real: prompt lengths in the model's tokens (chat-rendered)")
+    p.add_argument("--question", choices=["end", "first"], default="end",
+                   help="--suite real: where the question is asked: after the text (the default) or before it, "
+                        "so a budget held during prefill ranks the text with the question in the context")
     p.add_argument("--no-kl", action="store_true",
                    help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
@@ -161,7 +168,7 @@ def run(args) -> int:
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": _seed_meta(args.seed),
             "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
-            "sink": args.sink, "recent": args.recent,
+            "sink": args.sink, "recent": args.recent, **_question_meta(args),
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta)
@@ -182,7 +189,7 @@ def test_instances(args, families: list[str]):
         if hi > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s)
+        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s, args.question)
     else:
         n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
         if args.quick:
@@ -222,7 +229,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
         e["count"] += 1
     meta = {"model": info.name, "via": args.via, "n_per_family": n, "lengths": [lo, hi], "seed": _seed_meta(args.seed),
             "block_size": info.block_size, "plan_interval": info.plan_interval, "sink": args.sink,
-            "recent": args.recent, "seconds": round(time.time() - t0, 1), "decisions": decisions,
+            "recent": args.recent, **_question_meta(args), "seconds": round(time.time() - t0, 1), "decisions": decisions,
             "errors": errors}
     out = Path(args.out)
     report.write(rows, families, out, meta)

@@ -68,6 +68,17 @@ class Outcome:
     kl: list = field(default_factory=list)         # per solution position, KL(dense || this)
     budget: int | None = None
     error: str = ""            # served only: the request failed ("CODE: details"); counted as not correct
+    # KV measured by compute (Usage): tokens a (layer, kv-head) row held at the end, and the
+    # request's peak KV bytes (all rows; the prompt's prefill included). None: not measured.
+    held_tokens: float | None = None
+    peak_bytes: int | None = None
+
+
+def record_kv(o: Outcome, usage, rows: int, block_size: int, block_bytes: int) -> None:
+    """KV held and peak from a finished request's usage (blocks summed over rows)."""
+    if usage is not None and usage.kv_blocks_peak:
+        o.held_tokens = usage.kv_blocks_resident * block_size / rows
+        o.peak_bytes = usage.kv_blocks_peak * block_bytes
 
 
 def budget_tokens(inst: Instance, compression: float, minimum: int) -> int:
@@ -85,6 +96,10 @@ class Harness:
         from services.compute.budget import min_budget_blocks
         self.min_budget = min_budget_blocks(-(-sink // block_size), recent, block_size) * block_size
         self._oracle_attention: dict = {}
+        from services.compute.kv_pool import KVPool
+        m = engine.model
+        self.rows = m.config.num_layers * m.config.num_kv_heads
+        self.block_bytes = KVPool.page_bytes(block_size, m.config.head_dim, m.dtype)
 
     def _answer_attention(self, inst):
         """The oracle's view of the future, one dense forward per instance."""
@@ -156,6 +171,7 @@ class Harness:
                     o.text = inst.decode(toks) if hasattr(inst, "decode") else decode_ids(toks)
                     o.generated = len(toks)
                     o.correct = is_correct(inst, o.text)
+                    record_kv(o, out.usage, self.rows, self.bs, self.block_bytes)
         bar.close()
         return outcomes
 

@@ -30,6 +30,10 @@ def records(outcomes, families: list[str]) -> list[dict]:
             "kl": (sum(kls) / len(kls)) if kls else (0.0 if policy == "dense" else None),
             "mean_generated_tokens": sum(o.generated for o in os_) / len(os_),
             "kv_kept": (sum(b / t for b, t in zip(budgets, total)) / len(budgets)) if budgets else 1.0,
+            # Measured by compute (usage): tokens per (layer, kv-head) row at the end, and the
+            # request's peak KV in MiB (prefill included); means over the cell's prompts.
+            "held_tokens": _mean([o.held_tokens for o in os_]),
+            "peak_kv_mib": _mean([o.peak_bytes / 2 ** 20 for o in os_ if o.peak_bytes is not None]),
         })
         if policy == "dense":
             dense_acc[task, length] = rows[-1]["accuracy"]
@@ -42,11 +46,21 @@ def records(outcomes, families: list[str]) -> list[dict]:
     return rows
 
 
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _sig(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def markdown(rows: list[dict], families: list[str]) -> str:
     pooled = [r for r in rows if r.get("length") is None]
     by = {(r["policy"], r["compression"], r["task"]): r for r in pooled}
     settings = sorted({(r["compression"], r["policy"]) for r in pooled}, key=lambda s: (s[0], s[1] != "dense", s[1]))
-    head = ["policy", "compression", *families, "all", "retention", "KL", "gen. tokens"]
+    head = ["policy", "compression", *families, "all", "retention", "KL", "gen. tokens", "KV held (tokens/row)",
+            "peak KV (MiB)"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for comp, pol in settings:
         a = by[(pol, comp, "all")]
@@ -54,7 +68,7 @@ def markdown(rows: list[dict], families: list[str]) -> str:
         cells += [f"{by[(pol, comp, f)]['accuracy']:.2f}" if (pol, comp, f) in by else "-" for f in families]
         ret = a["retention"]
         cells += [f"**{a['accuracy']:.3f}**", "-" if ret is None else f"{ret:.3f}", "-" if a["kl"] is None else f"{a['kl']:.4f}",
-                  f"{a['mean_generated_tokens']:.1f}"]
+                  f"{a['mean_generated_tokens']:.1f}", _sig(a.get("held_tokens")), _sig(a.get("peak_kv_mib"))]
         out.append("| " + " | ".join(cells) + " |")
     lengths = sorted({r["length"] for r in rows if r.get("length") is not None})
     if len(lengths) > 1:

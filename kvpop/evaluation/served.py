@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import grpc
 from tqdm import tqdm
 
-from kvpop.evaluation.harness import Outcome, Setting, after_prompt, budget_tokens, policy_spec, recent_tokens
+from kvpop.evaluation.harness import (Outcome, Setting, after_prompt, budget_tokens, policy_spec, recent_tokens,
+                                      record_kv)
 from kvpop.tasks.checker import is_correct
 
 
@@ -29,6 +30,11 @@ class ServedHarness:
         self.stub = generate_pb2_grpc.KVpopStub(self.channel)
         self.info = self.stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
         self.bs = self.info.block_size
+        import torch
+
+        from services.compute.kv_pool import KVPool
+        self.rows = self.info.num_layers * self.info.num_kv_heads
+        self.block_bytes = KVPool.page_bytes(self.bs, self.info.head_dim, getattr(torch, self.info.dtype or "float32"))
         self.sink, self.recent, self.margin = sink, recent, margin
         self.concurrency, self.timeout = concurrency, timeout
         self.min_budget = min_budget_blocks(-(-sink // self.bs), recent, self.bs) * self.bs
@@ -67,6 +73,7 @@ class ServedHarness:
         o.text = "".join(text)
         o.generated = ids
         o.correct = is_correct(o.instance, o.text)
+        record_kv(o, usage, self.rows, self.bs, self.block_bytes)
         if usage is not None:
             with self._lock:
                 d = self.decisions.setdefault((o.setting.policy, o.setting.compression), {})

@@ -81,7 +81,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions", "session_resumed", "reprefilled_tokens", "network_evictions", "advisor_heuristic_evictions", "fallback_reasons")
+    __slots__ = ("prompt_tokens", "completion_tokens", "kv_blocks_resident", "kv_blocks_evicted", "policy", "fallback_evictions", "session_resumed", "reprefilled_tokens", "network_evictions", "advisor_heuristic_evictions", "fallback_reasons", "kv_blocks_peak")
     class FallbackReasonsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,7 @@ class Usage(_message.Message):
     NETWORK_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ADVISOR_HEURISTIC_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_REASONS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_PEAK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     kv_blocks_resident: int
@@ -111,7 +112,8 @@ class Usage(_message.Message):
     network_evictions: int
     advisor_heuristic_evictions: int
     fallback_reasons: _containers.ScalarMap[str, int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ..., session_resumed: _Optional[bool] = ..., reprefilled_tokens: _Optional[int] = ..., network_evictions: _Optional[int] = ..., advisor_heuristic_evictions: _Optional[int] = ..., fallback_reasons: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    kv_blocks_peak: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., kv_blocks_resident: _Optional[int] = ..., kv_blocks_evicted: _Optional[int] = ..., policy: _Optional[str] = ..., fallback_evictions: _Optional[int] = ..., session_resumed: _Optional[bool] = ..., reprefilled_tokens: _Optional[int] = ..., network_evictions: _Optional[int] = ..., advisor_heuristic_evictions: _Optional[int] = ..., fallback_reasons: _Optional[_Mapping[str, int]] = ..., kv_blocks_peak: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "finish_reason_text", "usage")

@@ -105,13 +105,27 @@ def _facts(family: str, rng: random.Random) -> tuple[list[str], str, list[str], 
     raise ValueError(f"unknown real-text family {family!r}; choose from {', '.join(FAMILIES)}")
 
 
-def generate(family: str, seed: int, length: int, tokenizer, limit: int | None = None) -> TextInstance:
+QUESTION_AT = ("end", "first")
+
+
+def generate(family: str, seed: int, length: int, tokenizer, limit: int | None = None,
+             question_at: str = "end") -> TextInstance:
     """One instance whose chat-rendered prompt is `length` tokens (+-2%), and
-    never more than ``limit`` (the model's context less room for the answer)."""
+    never more than ``limit`` (the model's context less room for the answer).
+    ``question_at="first"`` asks the question before the text (the same facts,
+    filler and depths for the same seed): a budget held during prefill then
+    ranks the text with the question already in the context."""
     rng = random.Random(f"real:{family}:{seed}")
     facts, question, answers, solution = _facts(family, rng)
-    intro = "Read the text below carefully: some facts are hidden in it. Answer the question after it.\n\n"
-    ask = f"\n\nQuestion: {question} Answer briefly."
+    if question_at == "end":
+        intro = "Read the text below carefully: some facts are hidden in it. Answer the question after it.\n\n"
+        ask = f"\n\nQuestion: {question} Answer briefly."
+    elif question_at == "first":
+        intro = (f"Question: {question}\n\nRead the text below carefully: the answer is hidden in it. "
+                 "Answer the question after reading it.\n\n")
+        ask = "\n\nAnswer the question above briefly."
+    else:
+        raise ValueError(f"question_at must be one of {', '.join(QUESTION_AT)}, not {question_at!r}")
 
     def render(filler: list[str], slots: list[int]) -> list[int]:
         body = list(filler)
@@ -155,21 +169,21 @@ def prompt_limit(model_dir) -> int:
 
 
 def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,
-             seed: int = 0, limit: int | None = None) -> list[TextInstance]:
+             seed: int = 0, limit: int | None = None, question_at: str = "end") -> list[TextInstance]:
     """n instances per (family, length); seeds depend on the test-set seed.
     ``limit`` caps every prompt (a length at the model's whole context leaves
     no room for the answer): such a length is generated as close below it as
     the limit allows."""
-    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit)
+    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit, question_at)
             for length in lengths for fam in (families or FAMILIES) for i in range(n)]
 
 
 def model_test_set(model_dir, n: int, lengths: list[int], families: list[str] | None = None,
-                   seed: int = 0) -> list[TextInstance]:
+                   seed: int = 0, question_at: str = "end") -> list[TextInstance]:
     """The test set as every consumer must see it for ``model_dir`` (our eval,
     the serving benchmark, kvpress on the same prompts): rendered with the
     model's tokenizer and chat template, prompts capped at :func:`prompt_limit`.
     Without the cap an "8k" prompt runs past SmolLM2's context and is not the
     prompt the eval ran."""
     from services.compute.tokenizer import Tokenizer
-    return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir))
+    return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir), question_at)

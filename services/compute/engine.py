@@ -88,6 +88,7 @@ class Usage:
     network_evictions: int = 0            # learned: blocks evicted on the network's plans
     advisor_heuristic_evictions: int = 0  # learned: on plans the cache-manager ranked with its heuristic
     fallback_reasons: dict = dataclasses.field(default_factory=dict)
+    kv_blocks_peak: int = 0               # most blocks held at once (summed over rows, as kv_blocks_resident)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -364,7 +365,8 @@ class LLMEngine:
         usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.page_table.numel(),
                       seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base,
                       network_evictions=ev[(NETWORK, "")], advisor_heuristic_evictions=ev[("advisor_heuristic", "")],
-                      fallback_reasons={r: n for (src, r), n in ev.items() if src == FALLBACK})
+                      fallback_reasons={r: n for (src, r), n in ev.items() if src == FALLBACK},
+                      kv_blocks_peak=seq.peak_blocks * seq.num_layers * seq.num_kv_heads)
         seq.finish_reason = reason
         if seq.session_claim:            # finished before admission: the session stays parked
             self.sessions.unclaim(sid)

@@ -64,6 +64,7 @@ class Sequence:
     finish_reason: str | None = None
     # counters
     eviction_rounds: int = 0
+    peak_blocks: int = 0           # most columns (blocks per row) held at once: Usage.kv_blocks_peak
     # evicted blocks (summed over (layer, kv-head) rows) by (source, reason): advisor.py
     evictions: Counter = field(default_factory=Counter)
     # feature bookkeeping (logical block numbers, exclusive upper bounds)
@@ -299,6 +300,8 @@ def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: 
         if group:
             append([seqs[i] for i in group], *_new_columns([pages[i] for i in group],
                                                           [first_block[i] for i in group], seqs[0].page_table.device))
+    for s in seqs:
+        s.peak_blocks = max(s.peak_blocks, s.num_blocks)
 
 
 def _new_columns(pages: list[torch.Tensor], first_block: list[int], dev) -> tuple[list[int], dict]:

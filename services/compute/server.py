@@ -342,7 +342,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                         session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history),
                         network_evictions=u.network_evictions,
                         advisor_heuristic_evictions=u.advisor_heuristic_evictions,
-                        fallback_reasons=u.fallback_reasons))
+                        fallback_reasons=u.fallback_reasons, kv_blocks_peak=u.kv_blocks_peak))
                     span.set_attribute("kvpop.eviction_rounds", events)
                     span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
                     if u.policy == "learned":

@@ -39,6 +39,16 @@ def test_quick_eval_writes_well_formed_results(tmp_path):
     for r in rows:
         if dense[r["task"]]:
             assert r["retention"] == pytest.approx(r["accuracy"] / dense[r["task"]])
+    # KV as compute measured it (usage): a budget holds less than dense at the end and at its peak
+    # (the budget holds during prefill), and less at 93.75% than at 75%.
+    pooled = {(r["policy"], r["compression"]): r for r in rows if r["task"] == "all"}
+    assert all(r["held_tokens"] > 0 and r["peak_kv_mib"] > 0 for r in pooled.values())
+    d = pooled["dense", 0.0]
+    for (pol, comp), r in pooled.items():
+        if pol != "dense":
+            assert r["held_tokens"] < d["held_tokens"] and r["peak_kv_mib"] < d["peak_kv_mib"], (pol, comp)
+            if comp == 0.9375:
+                assert r["held_tokens"] < pooled[pol, 0.75]["held_tokens"], pol
     md = (tmp_path / "results.md").read_text()
     assert md.count("\n|") >= len(expected) + 1 and "| oracle | 93.75% |" in md
     png = (tmp_path / "accuracy.png").read_bytes()

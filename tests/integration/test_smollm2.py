@@ -320,6 +320,10 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             _, usage, _ = chat(*[(m["role"], m["content"]) for m in long_needle.messages], max_tokens=4,
                                policy="learned", budget_tokens=256)
             assert usage.prompt_tokens > 2100 and usage.network_evictions == usage.kv_blocks_evicted > 0, usage
+            # Held during prefill, the budget bounds the peak: budget + one 512-token chunk (+ a plan's
+            # slack) at once, where the whole 2,400-token prompt would be ~3x that.
+            rows, bs = info.num_layers * info.num_kv_heads, info.block_size
+            assert usage.kv_blocks_resident < usage.kv_blocks_peak <= rows * (-(-(256 + 512) // bs) + 3), usage
             after_long = plans_by_network()
             assert after_long["estimator-long.safetensors"] > 0, after_long
             assert after_long["estimator.safetensors"] == before["estimator.safetensors"], (before, after_long)
@@ -382,6 +386,26 @@ def test_real_text_suite_prompts(engine):
     for seed in range(4):
         capped = ruler.generate("multikey", seed, 2048, tok, limit=2000)
         assert 1900 <= len(capped.prompt_ids) <= 2000 and all(a in capped.prompt for a in capped.answers)
+
+
+def test_real_text_prompts_with_the_question_first(engine):
+    """`kvpop eval --question first`: the same facts at the same depths, the
+    question before the text and nothing after it but the instruction to answer."""
+    from kvpop.tasks import ruler
+    tok = engine.tokenizer
+    for fam in ruler.FAMILIES:
+        end = ruler.generate(fam, 9, 1024, tok)
+        first = ruler.generate(fam, 9, 1024, tok, question_at="first")
+        assert abs(len(first.prompt_ids) - 1024) <= 0.02 * 1024, (fam, len(first.prompt_ids))
+        assert first.answers == end.answers and first.solution == end.solution
+        question = end.prompt[end.prompt.rindex("Question: ") + len("Question: "):].removesuffix(" Answer briefly.")
+        assert first.prompt.startswith(f"Question: {question}\n\n"), fam
+        assert first.prompt.endswith("\n\nAnswer the question above briefly.")
+        # Facts in the same order; each value sits after the question.
+        assert [first.prompt.index(a) for a in first.answers] == sorted(first.prompt.index(a) for a in first.answers)
+        assert all(first.prompt.index(a) > len(question) for a in first.answers)
+    with pytest.raises(ValueError, match="question_at"):
+        ruler.generate("needle", 9, 1024, tok, question_at="middle")
 
 
 def test_every_consumer_gets_the_capped_test_set(model_dir):

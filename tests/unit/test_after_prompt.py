@@ -49,6 +49,9 @@ def test_budget_after_prompt_keeps_the_whole_prompt_then_evicts_once(model, poli
     # Nothing is evicted while the prompt goes in: every chunk adds its blocks.
     assert during == sorted(during) and during[-1] > BUDGET // BS
     assert engine.pool.peak_used >= prompt_blocks * engine.scheduler.rows
+    # The request's own peak (usage) is that whole prompt too, and what it ends with is the budget.
+    assert usage.kv_blocks_peak == prompt_blocks * engine.scheduler.rows == engine.pool.peak_used
+    assert usage.kv_blocks_resident < usage.kv_blocks_peak
     # Once it is in, the budget holds (plus a learned sequence's decode slack).
     slack = engine.config.plan_slack_blocks if policy == "learned" else 0
     assert max(after) <= BUDGET // BS + slack
@@ -61,9 +64,14 @@ def test_budget_after_prompt_keeps_the_whole_prompt_then_evicts_once(model, poli
 
 def test_budget_during_prefill_bounds_the_peak(model):
     engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
-    _, seen, _ = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
+    _, seen, usage = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
     chunk_blocks = 16 // BS
     assert max(n for _, _, n in seen) <= BUDGET // BS + chunk_blocks
+    # usage reports the peak the request reached between a chunk's arrival and its round
+    # (steps above see it after the round): above the budget, within budget + one chunk.
+    rows = engine.scheduler.rows
+    assert BUDGET // BS * rows < usage.kv_blocks_peak <= (BUDGET // BS + chunk_blocks) * rows
+    assert usage.kv_blocks_peak == engine.pool.peak_used
     assert engine.pool.peak_used < math.ceil(PROMPT / BS) * engine.scheduler.rows
 
 

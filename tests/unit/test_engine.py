@@ -139,6 +139,7 @@ def test_max_tokens_eos_and_usage(model):
     assert (u.prompt_tokens, u.completion_tokens, u.policy, u.kv_blocks_evicted) == (10, 7, "dense", 0)
     # 16 tokens cached (the 7th is sampled, never fed back) in blocks of 4, x 2 layers x 2 kv-heads.
     assert u.kv_blocks_resident == math.ceil(16 / 4) * 2 * 2
+    assert u.kv_blocks_peak == u.kv_blocks_resident          # dense only grows
     # Make EOS the greedy first token: the request stops there, with reason "stop".
     first = outs[0].token_id
     engine.eos_ids = {first}
