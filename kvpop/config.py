@@ -147,6 +147,10 @@ class ComputeConfig(ServerConfig):
     plan_interval: int = setting("KVPOP_PLAN_INTERVAL", PLAN_INTERVAL,
                                  "tokens between a decoding `learned` sequence's eviction plans: its features "
                                  "go to the cache-manager in batches this long (prompt chunks always plan)")
+    prefill_chunk: int = setting("KVPOP_PREFILL_CHUNK", 512,
+                                 "prompt tokens prefilled per engine step, all sequences together; a budget held "
+                                 "during prefill is enforced after each chunk, so a request's peak KV is about its "
+                                 "budget plus one chunk (smaller: lower peak, more eviction rounds and plans)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
                                   "fallback ranks (only that sequence waits)")
@@ -170,6 +174,8 @@ class ComputeConfig(ServerConfig):
             raise ConfigError("KVPOP_SESSION_KV_TTL_S must be > 0")
         if self.plan_interval < 1:
             raise ConfigError("KVPOP_PLAN_INTERVAL must be >= 1 (tokens)")
+        if self.prefill_chunk < 1:
+            raise ConfigError("KVPOP_PREFILL_CHUNK must be >= 1 (tokens)")
         if self.plan_wait_ms < 0:
             raise ConfigError("KVPOP_PLAN_WAIT_MS must be >= 0")
         if not self.cleanup_threshold > 0:

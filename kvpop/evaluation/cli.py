@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=1, help="eviction granularity in tokens")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="tokens between a decoding sequence's eviction plans (compute's KVPOP_PLAN_INTERVAL)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="in process: prompt tokens per engine step (compute's KVPOP_PREFILL_CHUNK); a budget held "
+                        "during prefill holds after each chunk, so the peak KV is about budget + chunk")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--recent", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=48, help="engine batch size")
@@ -147,7 +150,7 @@ def run(args) -> int:
     # shrinks running budgets (cleanup would silently evaluate a higher compression
     # than asked: on SmolLM2, 90 rows fill the default pool and it did).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                    max_model_len=max(4096, longest), prefill_chunk=512,
+                                    max_model_len=max(4096, longest), prefill_chunk=args.prefill_chunk,
                                     cleanup_threshold=float("inf"), plan_interval=args.plan_interval,
                                     device=device),
                        advisor=advisor)
@@ -168,7 +171,7 @@ def run(args) -> int:
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": _seed_meta(args.seed),
             "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
-            "sink": args.sink, "recent": args.recent, **_question_meta(args),
+            "prefill_chunk": args.prefill_chunk, "sink": args.sink, "recent": args.recent, **_question_meta(args),
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta)

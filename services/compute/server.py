@@ -86,7 +86,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                           num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
                           session_ttl_s=cfg.session_kv_ttl_s, plan_wait_s=cfg.plan_wait_ms / 1000.0,
                           pipeline_decode_plans=cfg.pipeline_decode_plans, cleanup_threshold=cfg.cleanup_threshold,
-                          plan_interval=cfg.plan_interval)
+                          plan_interval=cfg.plan_interval, prefill_chunk=cfg.prefill_chunk)
         if cfg.max_model_len is not None:
             ec.max_model_len = cfg.max_model_len
         if cfg.cache_manager_address:

@@ -75,6 +75,19 @@ def test_budget_during_prefill_bounds_the_peak(model):
     assert engine.pool.peak_used < math.ceil(PROMPT / BS) * engine.scheduler.rows
 
 
+def test_a_smaller_prefill_chunk_lowers_the_peak(model):
+    """The peak of a budget held during prefill is the budget plus one chunk
+    (KVPOP_PREFILL_CHUNK): halving the chunk lowers it by that much."""
+    peaks = {}
+    for chunk in (8, 32):
+        engine = tiny_engine(model, block_size=BS, prefill_chunk=chunk)
+        _, _, usage = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
+        rows = engine.scheduler.rows
+        peaks[chunk] = usage.kv_blocks_peak // rows
+        assert BUDGET // BS < peaks[chunk] <= BUDGET // BS + chunk // BS, (chunk, peaks)
+    assert peaks[8] < peaks[32]
+
+
 def test_after_prompt_reserves_the_prompt_at_admission(model):
     """A pool too small for the whole prompt refuses an after-prompt request
     that fits when the budget holds during prefill (the peak is the price)."""

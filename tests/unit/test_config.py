@@ -43,6 +43,12 @@ def test_bad_values_name_the_variable(env, culprit):
         load(GatewayConfig, env=env)
 
 
+def test_prefill_chunk_must_be_positive():
+    assert load(ComputeConfig, env={"KVPOP_PREFILL_CHUNK": "128"}).prefill_chunk == 128
+    with pytest.raises(ConfigError, match="KVPOP_PREFILL_CHUNK"):
+        load(ComputeConfig, env={"KVPOP_PREFILL_CHUNK": "0"})
+
+
 def test_budget_parsing():
     assert load(GatewayConfig, env={"KVPOP_DEFAULT_BUDGET": "512"}).budget() == 512
     assert load(GatewayConfig, env={"KVPOP_DEFAULT_BUDGET": "0.25"}).budget() == 0.25
