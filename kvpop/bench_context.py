@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", default="h2o")
     p.add_argument("--budget-tokens", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-chunks", default="512",
+                   help="comma-separated prompt chunk sizes (compute's KVPOP_PREFILL_CHUNK) to run the budgeted "
+                        "policy at: its peak is about budget + chunk, its prefill more rounds per prompt")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
@@ -38,7 +41,10 @@ def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict
     from services.compute.engine import SamplingParams
 
     engine.add_request(tag, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), eviction)
-    stamps, peak, usage = [], 0, None
+    stamps, usage = [], None
+    # The pool's own high-water mark: pages in use between a chunk's arrival and its
+    # eviction round too, which polling after each step would miss.
+    engine.pool.peak_used = engine.pool.num_used
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
@@ -46,7 +52,7 @@ def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict
                 stamps.append(time.perf_counter())
             if out.finished:
                 usage = out.usage
-        peak = max(peak, engine.pool.num_used)
+    peak = engine.pool.peak_used
     decode = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
     return {"prefill_s": stamps[0] - t0, "decode_tok_s": 1.0 / decode if decode else float("nan"),
             "resident_blocks": usage.kv_blocks_resident, "evicted_blocks": usage.kv_blocks_evicted,
@@ -71,7 +77,10 @@ def bench(args) -> dict:
     if min(lengths) <= args.new_tokens:
         raise ValueError(f"every length must be more than --new-tokens ({args.new_tokens})")
     rows_of = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    pages = rows_of * (longest // args.block_size + 2) + 64
+    # Room for the longest dense context, and enough that the engine's headroom (an eighth
+    # of the pool) never cuts a budgeted prompt chunk below the size asked for.
+    chunk_blocks = max(int(c) for c in args.prefill_chunks.split(",") if c.strip()) // args.block_size + 2
+    pages = rows_of * max(longest // args.block_size + 2, 8 * chunk_blocks) + 64
     engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
                                     num_pages=pages, max_num_seqs=2, max_model_len=longest + args.block_size))
     page = KVPool.page_bytes(args.block_size, engine.model.config.head_dim, engine.model.dtype)
@@ -80,18 +89,23 @@ def bench(args) -> dict:
     lo, hi = 256, cfg["vocab_size"] - 1
     rows = []
     _one(engine, torch.randint(lo, hi, (64,), generator=g).tolist(), 4, EvictionParams("dense"), "warmup")
-    runs = [(n, pol) for n in lengths for pol in ("dense", args.policy)]
-    for n, pol in tqdm(runs, desc="bench context", unit="run"):
+    chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
+    if not chunks or min(chunks) < 1:
+        raise ValueError("--prefill-chunks takes positive token counts")
+    runs = [(n, pol, c) for n in lengths for pol, cs in (("dense", chunks[:1]), (args.policy, chunks)) for c in cs]
+    for n, pol, chunk in tqdm(runs, desc="bench context", unit="run"):
         prompt = torch.randint(lo, hi, (n - args.new_tokens,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
         ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget_tokens)
-        r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}")
-        rows.append({"length": n, "policy": pol, "kv_bytes_at_end": r["resident_blocks"] * page,
+        engine.scheduler.prefill_chunk = chunk
+        r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}-{chunk}")
+        rows.append({"length": n, "policy": pol, "prefill_chunk": chunk, "kv_bytes_at_end": r["resident_blocks"] * page,
                      "peak_kv_bytes": r["peak_pages"] * page, **r})
     for n in lengths:
         d = next(r for r in rows if r["length"] == n and r["policy"] == "dense")
-        b = next(r for r in rows if r["length"] == n and r["policy"] != "dense")
-        b["kv_vs_dense"] = b["kv_bytes_at_end"] / d["kv_bytes_at_end"]
-        b["decode_speedup"] = b["decode_tok_s"] / d["decode_tok_s"]
+        for b in (r for r in rows if r["length"] == n and r["policy"] != "dense"):
+            b["kv_vs_dense"] = b["kv_bytes_at_end"] / d["kv_bytes_at_end"]
+            b["decode_speedup"] = b["decode_tok_s"] / d["decode_tok_s"]
+            b["prefill_vs_dense"] = b["prefill_s"] / d["prefill_s"]
     return {"command": "kvpop bench context", "model": str(args.model), "policy": args.policy,
             "budget_tokens": args.budget_tokens, "block_size": args.block_size, "new_tokens": args.new_tokens,
             "threads": torch.get_num_threads(), "rows": rows}
@@ -100,12 +114,13 @@ def bench(args) -> dict:
 def print_table(res: dict) -> None:
     print(f"\none sequence, {res['new_tokens']} new tokens; {res['policy']} at {res['budget_tokens']} tokens "
           f"per (layer, kv-head), block size {res['block_size']}")
-    print("| context | policy | KV held at end (MiB) | peak KV (MiB) | prefill s | decode tok/s | KV vs dense | decode vs dense |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| context | policy | prefill chunk | KV held at end (MiB) | peak KV (MiB) | prefill s | decode tok/s | "
+          "KV vs dense | decode vs dense |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     mib = 1 / 2**20
     for r in res["rows"]:
-        print(f"| {r['length']} | {r['policy']} | {r['kv_bytes_at_end'] * mib:.1f} | {r['peak_kv_bytes'] * mib:.1f} | "
-              f"{r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
+        print(f"| {r['length']} | {r['policy']} | {r.get('prefill_chunk', 512)} | {r['kv_bytes_at_end'] * mib:.1f} | "
+              f"{r['peak_kv_bytes'] * mib:.1f} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
               f"{r.get('kv_vs_dense', 1.0):.3f}x | {r.get('decode_speedup', 1.0):.2f}x |")
 
 
@@ -114,9 +129,12 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for pol in dict.fromkeys(r["policy"] for r in res["rows"]):
-        rs = [r for r in res["rows"] if r["policy"] == pol]
+    several = len({r.get("prefill_chunk") for r in res["rows"]}) > 1
+    for pol, chunk in dict.fromkeys((r["policy"], r.get("prefill_chunk")) for r in res["rows"]):
+        rs = [r for r in res["rows"] if (r["policy"], r.get("prefill_chunk")) == (pol, chunk)]
         label = pol if pol == "dense" else f"{pol} @ {res['budget_tokens']} tokens"
+        if several and pol != "dense":
+            label += f", chunk {chunk}"
         axes[0].plot([r["length"] for r in rs], [r["kv_bytes_at_end"] / 2**20 for r in rs], marker="o", label=label)
         axes[1].plot([r["length"] for r in rs], [r["decode_tok_s"] for r in rs], marker="o", label=label)
     for ax, title in ((axes[0], "KV held per sequence (MiB)"), (axes[1], "decode tokens/s, one sequence")):

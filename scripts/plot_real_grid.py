@@ -91,7 +91,7 @@ def main() -> None:
                        f"{cell['held']:,.0f} / {cell['peak']:.1f}" if cell["peak"] is not None else f"{cell['held']:,.0f} / -")
         print(f"| {pol} | " + " | ".join(row) + " |")
 
-    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7), sharey="row", squeeze=False)
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7.8), sharey="row", squeeze=False)
     cmap = plt.get_cmap("tab10")
     colors = {}
     for pol in policies:
@@ -107,7 +107,9 @@ def main() -> None:
             style = dict(color="black" if base == "oracle" else colors[base], ms=4,
                          ls=":" if pol.endswith("+after") else "--" if pol.startswith("kvpress") else "-",
                          marker="s" if pol.startswith("kvpress") else "o",
-                         lw=2.5 if base == "learned" else 1.2)
+                         lw=3 if base == "learned" else 1.2, zorder=3 if base == "learned" else 2)
+            if base == "oracle":      # under learned where they agree: thin, dashed, in front
+                style.update(ls=(0, (2, 2)), marker="", lw=1.2, zorder=4)
             top.plot([c for c, _ in pts], [v["accuracy"] for _, v in pts], label=pol, **style)
             if all(v["peak"] is not None for _, v in pts):
                 bottom.plot([c for c, _ in pts], [v["peak"] for _, v in pts], label=pol, **style)
@@ -120,13 +122,14 @@ def main() -> None:
         top.set_ylim(-0.03, 1.03)
         bottom.set_xlabel("compression")
         for ax in (top, bottom):
-            ax.set_xticks(comps, [f"{c:.1%}".replace(".0%", "%") for c in comps], fontsize=8)
+            ax.set_xticks(comps, [f"{100 * c:g}%" for c in comps], fontsize=8)
     axes[0][0].set_ylabel("accuracy (needle + multikey)")
     axes[1][0].set_ylabel("peak KV of a request (MiB)")
-    axes[0][-1].legend(fontsize=6.5, loc="upper right", ncol=2)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=6)
     fig.suptitle("SmolLM2-135M-Instruct: our policies (solid; dotted = budget after the prompt) "
                  "and kvpress presses (dashed) on the same prompts", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=95)
     plt.close(fig)

@@ -25,6 +25,23 @@ def test_dense_grows_budget_stays_flat(tmp_path):
     assert (tmp_path / "c.png").is_file()
 
 
+def test_a_smaller_prefill_chunk_lowers_the_peak(tmp_path):
+    p = argparse.ArgumentParser()
+    bench_context.add_arguments(p)
+    args = p.parse_args(["--model", str(DEFAULT_MODEL_DIR), "--lengths", "512", "--new-tokens", "8",
+                         "--budget-tokens", "64", "--block-size", "16", "--prefill-chunks", "256,64",
+                         "--json", str(tmp_path / "c.json")])
+    assert bench_context.run(args) == 0
+    rows = {(r["policy"], r["prefill_chunk"]): r for r in json.loads((tmp_path / "c.json").read_text())["rows"]}
+    assert set(rows) == {("dense", 256), ("h2o", 256), ("h2o", 64)}
+    page = rows["dense", 256]["peak_kv_bytes"] / rows["dense", 256]["peak_pages"]
+    rows_of = rows["dense", 256]["resident_blocks"] // (512 // 16)     # layers x kv-heads
+    for chunk in (256, 64):
+        peak_tokens = rows["h2o", chunk]["peak_kv_bytes"] / page / rows_of * 16
+        assert 64 < peak_tokens <= 64 + chunk + 16, (chunk, peak_tokens)
+    assert rows["h2o", 64]["peak_kv_bytes"] < rows["h2o", 256]["peak_kv_bytes"] < rows["dense", 256]["peak_kv_bytes"]
+
+
 def test_refuses_a_context_past_the_model(capsys):
     p = argparse.ArgumentParser()
     bench_context.add_arguments(p)
