@@ -67,6 +67,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                30.0, 60.0, 120.0, 300.0)
 PLAN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# KV pages (blocks x layers x kv-heads): a few rows of a short prompt up to SmolLM2's 8k x 90 rows.
+KV_PAGE_BUCKETS = tuple(4 ** k for k in range(3, 12))
 SCORING_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                    0.1, 0.25, 0.5, 1.0)
 
@@ -114,6 +116,10 @@ class Metrics:
         self.evicted_blocks = Counter(
             "kvpop_kv_evicted_blocks", "KV blocks evicted, by policy and by what ranked them.",
             ["policy", "source", "reason"], registry=r)
+        self.kv_peak = Histogram("kvpop_request_kv_peak_pages",
+                                 "Most KV pages a finished request held at once (its Usage.kv_blocks_peak), "
+                                 "by policy: a budget held during prefill keeps it near budget + one chunk.",
+                                 ["policy"], buckets=KV_PAGE_BUCKETS, registry=r)
         self.held = Gauge("kvpop_learned_sequences_held",
                           "Learned sequences held (alone) waiting for their eviction plan.", registry=r)
         self.prefix_queries = Counter("kvpop_prefix_cache_queries",

@@ -345,6 +345,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                         fallback_reasons=u.fallback_reasons, kv_blocks_peak=u.kv_blocks_peak))
                     span.set_attribute("kvpop.eviction_rounds", events)
                     span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
+                    span.set_attribute("kvpop.kv_blocks_peak", u.kv_blocks_peak)
+                    get_metrics().kv_peak.labels(policy=u.policy).observe(u.kv_blocks_peak)
                     if u.policy == "learned":
                         span.set_attribute("kvpop.network_evictions", u.network_evictions)
                         span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)

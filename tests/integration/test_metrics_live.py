@@ -82,6 +82,20 @@ PLANS = ("kvpop_eviction_plans_received_total", "kvpop_eviction_plans_applied_to
          "kvpop_eviction_plan_latency_seconds_count")
 
 
+def test_request_kv_peak_observed_per_policy(stack, gateway):
+    """Compute observes each finished request's peak KV (usage.kv_blocks_peak) by policy:
+    the histogram's count and sum move by exactly that request's."""
+    hist = 'kvpop_request_kv_peak_pages_{}{{policy="h2o"}}'
+    before = {k: value(scrape(stack, "compute"), hist.format(k)) for k in ("count", "sum")}
+    _, _, final = collect(gateway.Generate(request(prompt="peak " * 200, max_tokens=8, ignore_eos=True,
+                                                   policy="h2o", budget_tokens=64), timeout=120))
+    u = final.usage
+    assert u.kv_blocks_resident < u.kv_blocks_peak, u
+    text = scrape(stack, "compute")
+    assert value(text, hist.format("count")) - before["count"] == 1
+    assert value(text, hist.format("sum")) - before["sum"] == u.kv_blocks_peak
+
+
 def test_eviction_plans_counted_on_both_sides(stack, gateway, compute):
     """A learned stream over its budget: the cache-manager sends plans, compute
     receives every one of them, times each, and evicts with them; every plan
