@@ -42,9 +42,6 @@ def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict
 
     engine.add_request(tag, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), eviction)
     stamps, usage = [], None
-    # The pool's own high-water mark: pages in use between a chunk's arrival and its
-    # eviction round too, which polling after each step would miss.
-    engine.pool.peak_used = engine.pool.num_used
     t0 = time.perf_counter()
     while engine.has_unfinished():
         for out in engine.step():
@@ -52,11 +49,12 @@ def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict
                 stamps.append(time.perf_counter())
             if out.finished:
                 usage = out.usage
-    peak = engine.pool.peak_used
     decode = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
     return {"prefill_s": stamps[0] - t0, "decode_tok_s": 1.0 / decode if decode else float("nan"),
             "resident_blocks": usage.kv_blocks_resident, "evicted_blocks": usage.kv_blocks_evicted,
-            "peak_pages": peak}
+            # The request's own high-water mark (a page per block per row), chunk before
+            # its eviction round included: polling the pool after each step missed it.
+            "peak_pages": usage.kv_blocks_peak}
 
 
 def bench(args) -> dict:
@@ -79,8 +77,10 @@ def bench(args) -> dict:
     rows_of = cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     # Room for the longest dense context, and enough that the engine's headroom (an eighth
     # of the pool) never cuts a budgeted prompt chunk below the size asked for.
-    chunk_blocks = max(int(c) for c in args.prefill_chunks.split(",") if c.strip()) // args.block_size + 2
-    pages = rows_of * max(longest // args.block_size + 2, 8 * chunk_blocks) + 64
+    chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
+    if not chunks or min(chunks) < 1:
+        raise ValueError("--prefill-chunks takes positive token counts")
+    pages = rows_of * max(longest // args.block_size + 2, 8 * (max(chunks) // args.block_size + 2)) + 64
     engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
                                     num_pages=pages, max_num_seqs=2, max_model_len=longest + args.block_size))
     page = KVPool.page_bytes(args.block_size, engine.model.config.head_dim, engine.model.dtype)
@@ -89,9 +89,6 @@ def bench(args) -> dict:
     lo, hi = 256, cfg["vocab_size"] - 1
     rows = []
     _one(engine, torch.randint(lo, hi, (64,), generator=g).tolist(), 4, EvictionParams("dense"), "warmup")
-    chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
-    if not chunks or min(chunks) < 1:
-        raise ValueError("--prefill-chunks takes positive token counts")
     runs = [(n, pol, c) for n in lengths for pol, cs in (("dense", chunks[:1]), (args.policy, chunks)) for c in cs]
     for n, pol, chunk in tqdm(runs, desc="bench context", unit="run"):
         prompt = torch.randint(lo, hi, (n - args.new_tokens,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
@@ -119,7 +116,7 @@ def print_table(res: dict) -> None:
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     mib = 1 / 2**20
     for r in res["rows"]:
-        print(f"| {r['length']} | {r['policy']} | {r.get('prefill_chunk', 512)} | {r['kv_bytes_at_end'] * mib:.1f} | "
+        print(f"| {r['length']} | {r['policy']} | {r['prefill_chunk']} | {r['kv_bytes_at_end'] * mib:.1f} | "
               f"{r['peak_kv_bytes'] * mib:.1f} | {r['prefill_s']:.2f} | {r['decode_tok_s']:.1f} | "
               f"{r.get('kv_vs_dense', 1.0):.3f}x | {r.get('decode_speedup', 1.0):.2f}x |")
 
@@ -129,9 +126,9 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    several = len({r.get("prefill_chunk") for r in res["rows"]}) > 1
-    for pol, chunk in dict.fromkeys((r["policy"], r.get("prefill_chunk")) for r in res["rows"]):
-        rs = [r for r in res["rows"] if (r["policy"], r.get("prefill_chunk")) == (pol, chunk)]
+    several = len({r["prefill_chunk"] for r in res["rows"]}) > 1
+    for pol, chunk in dict.fromkeys((r["policy"], r["prefill_chunk"]) for r in res["rows"]):
+        rs = [r for r in res["rows"] if (r["policy"], r["prefill_chunk"]) == (pol, chunk)]
         label = pol if pol == "dense" else f"{pol} @ {res['budget_tokens']} tokens"
         if several and pol != "dense":
             label += f", chunk {chunk}"

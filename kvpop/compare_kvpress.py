@@ -69,6 +69,10 @@ class KVMeter:
     def start(self, cache) -> None:
         self.cache, self.peak, self.last = cache, 0, 0
 
+    def stop(self) -> None:
+        """Stop reading (the readings stay: the answer's last step and the peak)."""
+        self.cache = None
+
     def _read(self, module, args, output) -> None:
         if self.cache is None:
             return
@@ -130,7 +134,7 @@ def run(args) -> int:
             meter.start(cache)
             out = pipe(context, question=question, press=press, max_new_tokens=len(inst.solution_ids) + 16,
                        cache=cache)
-            meter.cache = None          # its readings stay: the answer's last step and the peak
+            meter.stop()
             answer = out["answer"]
             ctx_tokens = len(pipe.preprocess(context, [question], "", 1 << 30)["context_ids"][0])
             rows.append({"policy": f"kvpress:{press_name or 'dense'}" + ("+ctx" if where == "context" else ""),

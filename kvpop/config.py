@@ -18,6 +18,10 @@ from kvpop.paths import DEFAULT_MODEL_DIR
 # Tokens between a decoding `learned` sequence's eviction plans (compute's
 # KVPOP_PLAN_INTERVAL, the engine's and the trace recorder's default).
 PLAN_INTERVAL = 8
+# Prompt tokens prefilled per engine step (compute's KVPOP_PREFILL_CHUNK, the
+# engine's, the eval's and the trace recorder's default): a budget held during
+# prefill holds after each chunk.
+PREFILL_CHUNK = 512
 
 T = TypeVar("T")
 
@@ -147,7 +151,7 @@ class ComputeConfig(ServerConfig):
     plan_interval: int = setting("KVPOP_PLAN_INTERVAL", PLAN_INTERVAL,
                                  "tokens between a decoding `learned` sequence's eviction plans: its features "
                                  "go to the cache-manager in batches this long (prompt chunks always plan)")
-    prefill_chunk: int = setting("KVPOP_PREFILL_CHUNK", 512,
+    prefill_chunk: int = setting("KVPOP_PREFILL_CHUNK", PREFILL_CHUNK,
                                  "prompt tokens prefilled per engine step, all sequences together; a budget held "
                                  "during prefill is enforced after each chunk, so a request's peak KV is about its "
                                  "budget plus one chunk (smaller: lower peak, more eviction rounds and plans)")

@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from kvpop.config import PLAN_INTERVAL
+from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
 from kvpop.model_store import estimator_arg, model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=1, help="eviction granularity in tokens")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="tokens between a decoding sequence's eviction plans (compute's KVPOP_PLAN_INTERVAL)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="in process: prompt tokens per engine step (compute's KVPOP_PREFILL_CHUNK); a budget held "
                         "during prefill holds after each chunk, so the peak KV is about budget + chunk")
     p.add_argument("--sink", type=int, default=4)

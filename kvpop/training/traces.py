@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpop.config import PREFILL_CHUNK
+
 
 @dataclass
 class TraceConfig:
@@ -35,7 +37,7 @@ class TraceConfig:
     sink: int = 4
     recent: int = 8
     horizon: int = 128
-    prefill_chunk: int = 512
+    prefill_chunk: int = PREFILL_CHUNK      # compute's: chunk ends are where prompt rounds happen
     snapshots: int = 16          # decision times sampled per sequence
     query_chunk: int = 256
     target: str = "mean"         # over the horizon's queries: "mean" mass (KVpop) or "max" (peak need)

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from kvpop.config import PLAN_INTERVAL
+from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
 from services.compute import detokenize
 from services.compute.advisor import FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.budget import EvictionParams, resolve_eviction
@@ -52,7 +52,7 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30         # used when num_pages is None
     max_num_seqs: int = 64
     max_model_len: int | None = None   # None: the model's own (max_position_embeddings)
-    prefill_chunk: int = 512
+    prefill_chunk: int = PREFILL_CHUNK
     cleanup_threshold: float = 0.7
     cleanup_floor: float = 0.5            # budgets shrink to at most this fraction of the request's
     prefill_headroom_chunks: int = 2      # prefill overshoot all budgeted sequences share (scheduler.py)
