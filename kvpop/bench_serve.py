@@ -99,12 +99,15 @@ def real_workload(model_dir: str, n: int, seed: int, lengths: list[int], familie
 
 
 def make_request(pb, inst, policy: str, budget: float, new_tokens: int, sink: int, recent: int):
-    """The request for one instance: a chat when it has messages, `+after` as evict_after_prompt."""
-    from kvpop.evaluation.harness import AFTER, after_prompt
-    req = request(pb, inst.prompt, policy.removesuffix(AFTER), budget, new_tokens,
+    """The request for one instance: a chat when it has messages, `+after` as
+    evict_after_prompt, `+prefill<N>x` as prefill_allowance."""
+    from kvpop.evaluation.harness import after_prompt, base_label, prefill_allowance
+    req = request(pb, inst.prompt, base_label(policy), budget, new_tokens,
                   messages=getattr(inst, "messages", None))
     req.sink_tokens, req.recent_tokens = sink, recent
     req.evict_after_prompt = after_prompt(policy)
+    if prefill_allowance(policy) > 1.0:
+        req.prefill_allowance = prefill_allowance(policy)
     return req
 
 

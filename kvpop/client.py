@@ -57,7 +57,7 @@ def build_request(args: argparse.Namespace):
                                        evict_after_prompt=args.evict_after_prompt,
                                        session_id=args.session or "", request_id=args.request_id or "")
     for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "sink_tokens",
-                 "recent_tokens"):
+                 "recent_tokens", "prefill_allowance"):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)
@@ -95,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evict-after-prompt", action="store_true",
                    help="hold the budget from the end of the prompt on (the prompt is prefilled in full, then "
                         "evicted down once: a question at its end is seen first); default: during prefill too")
+    p.add_argument("--prefill-allowance", type=float, metavar="N",
+                   help="hold up to N times the budget while the prompt is prefilled, then the budget "
+                        "(between the default, 1, and --evict-after-prompt)")
     p.add_argument("--session", help="session id (stored in Redis)")
     p.add_argument("--request-id")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "

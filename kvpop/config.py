@@ -22,6 +22,9 @@ PLAN_INTERVAL = 8
 # engine's, the eval's and the trace recorder's default): a budget held during
 # prefill holds after each chunk.
 PREFILL_CHUNK = 512
+# The largest prefill_allowance a request may ask (a multiple of its budget held
+# during prefill; gateway and compute check it): beyond it, evict_after_prompt says it plainly.
+MAX_PREFILL_ALLOWANCE = 64.0
 
 T = TypeVar("T")
 

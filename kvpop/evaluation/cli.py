@@ -38,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=DEFAULT_POLICIES,
                    help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
                         "(h2o+recent50: H2O as its paper runs it); a trailing +after holds the budget from the end "
-                        "of the prompt on, not during prefill (the request's evict_after_prompt; kvpress's protocol)")
+                        "of the prompt on, not during prefill (the request's evict_after_prompt; kvpress's protocol); a trailing "
+                        "+prefill<N>x holds up to N times the budget during prefill, then the budget "
+                        "(the request's prefill_allowance)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--suite", choices=["tasks", "real"], default="tasks",
                    help="tasks: the default model's task families; real: long-context retrieval on real text "
@@ -100,9 +102,15 @@ def run(args) -> int:
         print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(FAMILIES)}")
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from kvpop.evaluation.harness import policy_spec
+    from kvpop.config import MAX_PREFILL_ALLOWANCE
+    from kvpop.evaluation.harness import after_prompt, policy_spec, prefill_allowance
     try:
         unknown = [p for p in policies if policy_spec(p)[0] not in POLICY_NAMES and p != "oracle"]
+        for p in policies:
+            a = prefill_allowance(p)
+            if not 1.0 <= a <= MAX_PREFILL_ALLOWANCE or (a > 1.0 and after_prompt(p)):
+                raise ValueError(f"{p!r}: the prefill allowance must be in [1, {MAX_PREFILL_ALLOWANCE:g}] "
+                                 f"and cannot go with +after")
     except ValueError as e:
         print(e)
         return 2

@@ -25,6 +25,7 @@ class Setting:
 
 
 AFTER = "+after"
+PREFILL = "+prefill"
 
 
 def after_prompt(label: str) -> bool:
@@ -33,13 +34,36 @@ def after_prompt(label: str) -> bool:
     return label.endswith(AFTER)
 
 
+def prefill_allowance(label: str) -> float:
+    """"learned+prefill4x" -> 4.0: during prefill the request holds up to 4x its
+    budget, then the round at the prompt's end brings it down (the request's
+    `prefill_allowance`). Without the suffix: 1.0, the budget itself."""
+    _, sep, tail = label.rpartition(PREFILL)
+    if not sep:
+        return 1.0
+    try:
+        if not tail.endswith("x"):
+            raise ValueError
+        return float(tail[:-1])
+    except ValueError:
+        raise ValueError(f"{label!r}: write the prefill allowance as {PREFILL}<N>x, e.g. learned{PREFILL}4x") from None
+
+
+def base_label(label: str) -> str:
+    """The label without its protocol suffix (+after, +prefill<N>x)."""
+    label = label.removesuffix(AFTER)
+    head, sep, _ = label.rpartition(PREFILL)
+    return head if sep else label
+
+
 def policy_spec(label: str) -> tuple[str, float | None]:
     """"h2o+recent50" -> ("h2o", 0.5): the policy with a recent window of 50% of
     each request's budget instead of the run's fixed --recent (H2O's paper keeps
     half its budget for recent tokens). A plain name -> (name, None). The
     served request is the same policy with `recent_tokens` set: no eval-only path.
-    A trailing "+after" (see after_prompt) is not part of either."""
-    label = label.removesuffix(AFTER)
+    A trailing "+after" or "+prefill<N>x" (see after_prompt, prefill_allowance)
+    is not part of either."""
+    label = base_label(label)
     name, _, rest = label.partition("+recent")
     if not rest:
         return label, None
@@ -123,7 +147,7 @@ class Harness:
             name = "streaming" if s.policy == "oracle" else policy_spec(s.policy)[0]
             recent = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
             ev = EvictionParams(name, budget=o.budget, sink=self.sink, recent=recent, block_size=self.bs,
-                                after_prompt=after_prompt(s.policy))
+                                after_prompt=after_prompt(s.policy), prefill_allowance=prefill_allowance(s.policy))
         seq = self.engine.make_sequence(rid, inst.prompt_ids, sampling, ev)
         if s.policy == "oracle":
             seq.policy = OraclePolicy(inst.depends, self.bs, self._answer_attention(inst))

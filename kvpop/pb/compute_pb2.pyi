@@ -32,20 +32,22 @@ class Sampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class Eviction(_message.Message):
-    __slots__ = ("policy", "budget_tokens", "budget_fraction", "sink_tokens", "recent_tokens", "evict_after_prompt")
+    __slots__ = ("policy", "budget_tokens", "budget_fraction", "sink_tokens", "recent_tokens", "evict_after_prompt", "prefill_allowance")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FRACTION_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVICT_AFTER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     policy: str
     budget_tokens: int
     budget_fraction: float
     sink_tokens: int
     recent_tokens: int
     evict_after_prompt: bool
-    def __init__(self, policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., evict_after_prompt: _Optional[bool] = ...) -> None: ...
+    prefill_allowance: float
+    def __init__(self, policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., evict_after_prompt: _Optional[bool] = ..., prefill_allowance: _Optional[float] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "eviction", "session_id", "continue_session", "history_token_ids", "messages")

@@ -29,7 +29,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id", "sink_tokens", "recent_tokens", "messages", "evict_after_prompt")
+    __slots__ = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "repetition_penalty", "stop", "ignore_eos", "logprobs", "policy", "budget_tokens", "budget_fraction", "session_id", "request_id", "sink_tokens", "recent_tokens", "messages", "evict_after_prompt", "prefill_allowance")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class GenerateRequest(_message.Message):
     RECENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     EVICT_AFTER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ALLOWANCE_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     max_tokens: int
     temperature: float
@@ -68,7 +69,8 @@ class GenerateRequest(_message.Message):
     recent_tokens: int
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     evict_after_prompt: bool
-    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., evict_after_prompt: _Optional[bool] = ...) -> None: ...
+    prefill_allowance: float
+    def __init__(self, prompt: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., session_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., evict_after_prompt: _Optional[bool] = ..., prefill_allowance: _Optional[float] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpop.config import MAX_PREFILL_ALLOWANCE
 from services.compute.policies import LEARNED, POLICY_NAMES
 from services.compute.sequence import EvictionState
 
@@ -21,6 +22,7 @@ class EvictionParams:
     recent: int = 8
     block_size: int | None = None      # None: the engine's block size
     after_prompt: bool = False         # hold the budget from the end of the prompt on (prefill in full)
+    prefill_allowance: float = 1.0     # during prefill hold up to this multiple of the budget
 
 
 def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
@@ -39,6 +41,12 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
                          f"its KV pool uses block_size {block_size}")
     if p.sink < 0 or p.recent < 0:
         raise ValueError(f"sink ({p.sink}) and recent ({p.recent}) must be >= 0")
+    if not (math.isfinite(p.prefill_allowance) and 1.0 <= p.prefill_allowance <= MAX_PREFILL_ALLOWANCE):
+        raise ValueError(f"prefill_allowance must be in [1, {MAX_PREFILL_ALLOWANCE:g}] (a multiple of the budget), "
+                         f"got {p.prefill_allowance!r}")
+    if p.after_prompt and p.prefill_allowance > 1.0:
+        raise ValueError("prefill_allowance and evict_after_prompt exclude each other: evict_after_prompt already "
+                         "holds the whole prompt during prefill")
     sink_blocks = math.ceil(p.sink / block_size)
     minimum = min_budget_blocks(sink_blocks, p.recent, block_size)
     if p.policy == "dense":
@@ -62,4 +70,9 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
                 f"(sink + recent + 1 block, in whole blocks)")
     floor = max(minimum, math.ceil(blocks * cleanup_floor))
     slack = plan_slack_blocks if p.policy == LEARNED else 0
-    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, p.after_prompt)
+    # Past the prompt's blocks an allowance changes nothing: the prompt is simply held whole.
+    prefill = None
+    if p.prefill_allowance > 1.0:
+        prefill = min(math.ceil(blocks * p.prefill_allowance), math.ceil(prompt_len / block_size) + 1)
+    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, p.after_prompt,
+                         prefill if prefill is not None and prefill > blocks else None)

@@ -157,7 +157,7 @@ def overshoot(seq: Sequence) -> int:
     if st.budget_blocks is None or (st.after_prompt and seq.in_prefill):
         return 0
     n, bs = seq.num_cached, seq.block_size
-    target = st.budget_blocks - (1 if not seq.in_prefill and n % bs == 0 else 0)
+    target = st.target_blocks(seq.in_prefill) - (1 if not seq.in_prefill and n % bs == 0 else 0)
     return max(0, seq.num_blocks - target)
 
 
@@ -211,6 +211,7 @@ def shrink_budget(seq: Sequence, pool: KVPool, to: int) -> None:
     """Cleanup (docs/design.md, protocol step 6): lower the budget to ``to``
     (the scheduler chooses it, at or above the floor) and evict now."""
     st = seq.eviction
-    st.budget_blocks = to
+    # Under memory pressure a prefill allowance is the first thing to go.
+    st.budget_blocks, st.prefill_blocks = to, None
     # The pool needs the pages now: a learned sequence uses its plan if it is fresh.
     eviction_round(seq, pool, usable_plan(seq) if st.policy == LEARNED else None, CLEANUP)

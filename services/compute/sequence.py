@@ -45,6 +45,14 @@ class EvictionState:
     # The budget holds from the end of the prompt on: the prompt is prefilled
     # in full (its pages reserved), then one round evicts it down (kvpress-style).
     after_prompt: bool = False
+    # While the prompt is prefilled, the budget is this many blocks (the request's
+    # prefill_allowance x its budget); None: the budget. The round at the prompt's
+    # end brings every row down to budget_blocks.
+    prefill_blocks: int | None = None
+
+    def target_blocks(self, in_prefill: bool) -> int | None:
+        """The budget that holds now: prefill_blocks during prefill, else budget_blocks."""
+        return self.prefill_blocks if in_prefill and self.prefill_blocks is not None else self.budget_blocks
 
 
 @dataclass(eq=False)  # identity semantics: a sequence is compared by object, never by tensors

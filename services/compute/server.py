@@ -279,7 +279,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         eviction = EvictionParams(policy=ev.policy or "dense", budget=budget,
                                   sink=ev.sink_tokens if ev.HasField("sink_tokens") else EvictionParams.sink,
                                   recent=ev.recent_tokens if ev.HasField("recent_tokens") else EvictionParams.recent,
-                                  after_prompt=ev.evict_after_prompt)
+                                  after_prompt=ev.evict_after_prompt,
+                                  prefill_allowance=ev.prefill_allowance or EvictionParams.prefill_allowance)
         rid = request.request_id
         span = trace.get_current_span()
         span.set_attribute("kvpop.request_id", rid)

@@ -3,7 +3,7 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| neither prompt nor messages, or both; a message role other than system/user/assistant; messages for a model without a chat template; messages with a session_id; empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| neither prompt nor messages, or both; a message role other than system/user/assistant; messages for a model without a chat template; messages with a session_id; empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; prefill_allowance not in [1, 64] or with evict_after_prompt; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
 | request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
 | prompt (or all message contents together) longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
@@ -15,7 +15,7 @@ import uuid
 
 import grpc
 
-from kvpop.config import GatewayConfig
+from kvpop.config import MAX_PREFILL_ALLOWANCE, GatewayConfig
 from kvpop.pb import compute_pb2, generate_pb2
 
 MAX_STOP_CHARS = 256
@@ -109,6 +109,12 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
                 raise Invalid(f"{name} must be in [0, {info.max_model_len}] (the model's max length), got {value}")
             setattr(ev, name, value)
     ev.evict_after_prompt = req.evict_after_prompt
+    if req.HasField("prefill_allowance"):
+        _check_float("prefill_allowance", req.prefill_allowance, 1.0, MAX_PREFILL_ALLOWANCE, lo_open=False)
+        if req.prefill_allowance > 1.0 and req.evict_after_prompt:
+            raise Invalid("prefill_allowance and evict_after_prompt exclude each other: evict_after_prompt "
+                          "already holds the whole prompt during prefill")
+        ev.prefill_allowance = req.prefill_allowance
 
     for name in ("session_id", "request_id"):
         value = getattr(req, name)

@@ -169,7 +169,7 @@ def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     out = tmp_path / "via"
-    args = p.parse_args(["--via", served.gateway, "--quick", "--policies", "dense,oracle,learned,h2o",
+    args = p.parse_args(["--via", served.gateway, "--quick", "--policies", "dense,oracle,learned,learned+prefill2x,h2o",
                          "--compression", "0.75", "--out", str(out)])
     assert run_eval(args) == 0
     rows = json.loads((out / "results.json").read_text())
@@ -177,8 +177,9 @@ def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
     got = {(r["policy"], r["task"]) for r in rows}
     assert {("dense", "all"), ("learned", "all"), ("h2o", "all")} <= got and ("oracle", "all") not in got
     assert all(r["n"] == 4 for r in rows if r["task"] == "all")
-    d = meta["decisions"]["learned@0.75"]
-    assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
+    for label in ("learned", "learned+prefill2x"):     # the label's allowance went out as prefill_allowance
+        d = meta["decisions"][f"{label}@0.75"]
+        assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
     assert meta["block_size"] == compute_info(served).model.block_size and (out / "accuracy.png").is_file()
 
 

@@ -324,6 +324,14 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             # slack) at once, where the whole 2,400-token prompt would be ~3x that.
             rows, bs = info.num_layers * info.num_kv_heads, info.block_size
             assert usage.kv_blocks_resident < usage.kv_blocks_peak <= rows * (-(-(256 + 512) // bs) + 3), usage
+            # prefill_allowance 2: twice the budget during prefill (a higher peak, still far below the
+            # prompt), the budget from the prompt's end on, every eviction still the network's.
+            peak_1x, held_1x = usage.kv_blocks_peak, usage.kv_blocks_resident
+            _, usage, _ = chat(*[(m["role"], m["content"]) for m in long_needle.messages], max_tokens=4,
+                               policy="learned", budget_tokens=256, prefill_allowance=2.0)
+            assert peak_1x < usage.kv_blocks_peak <= rows * (-(-(2 * 256 + 512) // bs) + 3), (peak_1x, usage)
+            assert usage.kv_blocks_resident <= rows * (-(-256 // bs) + 3) and held_1x <= rows * (-(-256 // bs) + 3)
+            assert usage.network_evictions == usage.kv_blocks_evicted > 0, usage
             after_long = plans_by_network()
             assert after_long["estimator-long.safetensors"] > 0, after_long
             assert after_long["estimator.safetensors"] == before["estimator.safetensors"], (before, after_long)

@@ -1,7 +1,8 @@
-"""`evict_after_prompt`: the budget holds from the end of the prompt on. The
-prompt is prefilled in full (its pages reserved), its first token sees all of
-it, then one round brings every row down to the budget; by default the
-budget holds during prefill too (bounded peak)."""
+"""When the budget holds. `evict_after_prompt`: from the end of the prompt on.
+The prompt is prefilled in full (its pages reserved), its first token sees
+all of it, then one round brings every row down to the budget. By default
+the budget holds during prefill too (bounded peak); `prefill_allowance` N
+holds up to N x the budget during prefill, then the budget."""
 import math
 
 import pytest
@@ -110,3 +111,82 @@ def test_gateway_passes_evict_after_prompt_to_compute():
     assert validate(req, GatewayConfig(), info).eviction.evict_after_prompt
     req.evict_after_prompt = False
     assert not validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+
+
+@pytest.mark.parametrize("policy", ["h2o", "learned"])
+def test_prefill_allowance_holds_a_multiple_during_prefill_then_the_budget(model, policy):
+    advisor = ScriptedAdvisor() if policy == "learned" else None
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, advisor=advisor)
+    _, seen, usage = trace(engine, EvictionParams(policy, budget=BUDGET, sink=4, recent=8, prefill_allowance=2.0))
+    rows, chunk_blocks, budget = engine.scheduler.rows, 16 // BS, BUDGET // BS
+    slack = engine.config.plan_slack_blocks if policy == "learned" else 0
+    during = [n for pre, _, n in seen if pre]
+    after = [n for pre, out, n in seen if out >= 2]
+    # During prefill the rows grow past the budget (+ one chunk) and stop at twice it (+ one chunk):
+    # rounds did run, at the allowance, not at the budget.
+    assert budget + chunk_blocks < max(during) <= 2 * budget + chunk_blocks + slack, during
+    assert 2 * budget * rows < usage.kv_blocks_peak <= (2 * budget + chunk_blocks + slack) * rows, usage
+    assert usage.kv_blocks_peak < math.ceil(PROMPT / BS) * rows
+    # From the prompt's end on: the budget.
+    assert max(after) <= budget + slack, after
+    assert usage.kv_blocks_resident <= (budget + slack) * rows
+    if policy == "learned":
+        assert usage.kv_blocks_evicted > 0 and usage.network_evictions == usage.kv_blocks_evicted, usage
+
+
+def test_the_peak_follows_the_allowance(model):
+    """Budget during prefill < 2x < 3x < the whole prompt (evict_after_prompt), same prompt and budget."""
+    peaks = []
+    for kw in ({}, {"prefill_allowance": 2.0}, {"prefill_allowance": 3.0}, {"after_prompt": True}):
+        engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+        _, _, usage = trace(engine, EvictionParams("keydiff", budget=BUDGET, sink=4, recent=8, **kw))
+        peaks.append(usage.kv_blocks_peak)
+    assert peaks == sorted(set(peaks)), peaks
+
+
+def test_an_allowance_past_the_prompt_holds_the_prompt_and_reserves_only_it(model):
+    """64x a small budget is more than the prompt: the sequence holds its whole prompt during
+    prefill, and admission reserves the prompt, not 64x the budget."""
+    rows = 2 * 2
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, num_pages=40 * rows)
+    engine.add_request("big", random_prompt(PROMPT, seed=5), SP,
+                       EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, prefill_allowance=64.0))
+    seq = engine.seqs["big"]
+    assert seq.eviction.prefill_blocks == math.ceil(PROMPT / BS) + 1
+    assert engine.scheduler.reservation(seq) <= 40 * rows
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"prefill_allowance": 0.5}, "prefill_allowance must be in"),
+    ({"prefill_allowance": float("nan")}, "prefill_allowance must be in"),
+    ({"prefill_allowance": 65.0}, "prefill_allowance must be in"),
+    ({"prefill_allowance": 2.0, "after_prompt": True}, "exclude each other"),
+])
+def test_a_bad_allowance_is_refused_before_a_sequence_exists(model, kw, message):
+    engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", random_prompt(PROMPT, seed=5), SP,
+                           EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, **kw))
+    assert not engine.has_unfinished()
+
+
+def test_gateway_checks_and_passes_the_prefill_allowance():
+    import grpc
+
+    from kvpop.config import GatewayConfig
+    from kvpop.pb import generate_pb2
+    from services.gateway.validation import Invalid, validate
+
+    info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)
+    req = generate_pb2.GenerateRequest(prompt="hi", policy="h2o", budget_tokens=64)
+    assert validate(req, GatewayConfig(), info).eviction.prefill_allowance == 0.0      # unset: compute's 1
+    req.prefill_allowance = 2.5
+    assert validate(req, GatewayConfig(), info).eviction.prefill_allowance == 2.5
+    for bad in (0.0, 0.99, 65.0, float("inf"), float("nan")):
+        req.prefill_allowance = bad
+        with pytest.raises(Invalid, match="prefill_allowance must be in") as e:
+            validate(req, GatewayConfig(), info)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    req.prefill_allowance, req.evict_after_prompt = 2.0, True
+    with pytest.raises(Invalid, match="exclude each other"):
+        validate(req, GatewayConfig(), info)

@@ -209,6 +209,23 @@ def test_recent_share_variant_gives_half_the_budget_to_recent_tokens(tiny_dir):
     assert b.eviction.recent == half.budget // 2 > h.recent
 
 
+def test_protocol_suffixes_become_the_requests_fields(tiny_dir):
+    """"+after" and "+prefill<N>x" are request fields (evict_after_prompt,
+    prefill_allowance), not policies: the in-process request carries them."""
+    from kvpop.evaluation.harness import after_prompt, base_label, prefill_allowance
+    assert base_label("h2o+recent50+prefill2x") == "h2o+recent50" and base_label("learned+after") == "learned"
+    assert prefill_allowance("learned+prefill2.5x") == 2.5 and prefill_allowance("learned") == 1.0
+    assert policy_spec("h2o+recent50+prefill2x") == ("h2o", 0.5) and not after_prompt("learned+prefill2x")
+    with pytest.raises(ValueError, match=r"\+prefill<N>x"):
+        prefill_allowance("learned+prefill2")
+    inst = generate("passkey", 3, 500)
+    h = Harness(_engine(tiny_dir))
+    o = Outcome(Setting("keydiff+prefill2x", 0.75), inst)
+    st = h._make("a", o, False).eviction
+    assert st.policy == "keydiff" and not st.after_prompt
+    assert st.prefill_blocks == 2 * st.budget_blocks == 2 * o.budget
+
+
 def test_is_correct_scores_real_text_by_containment():
     """One scoring entry point for both suites: a real-text instance is right when
     every expected value appears anywhere in the text, a task instance by its

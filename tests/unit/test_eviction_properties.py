@@ -41,6 +41,7 @@ def request(draw, block_size):
         join_step=draw(st.integers(0, 6)),
         cancel_step=draw(st.one_of(st.none(), st.integers(1, 20))),
         after_prompt=draw(st.booleans()),
+        prefill_allowance=draw(st.sampled_from([1.0, 1.5, 3.0])),
     )
 
 
@@ -68,7 +69,8 @@ def test_budget_protection_and_pages_return(sc):
                 engine.add_request(str(i), r["prompt"],
                                    SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
                                    EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"],
-                                                  recent=r["recent"], after_prompt=r["after_prompt"]))
+                                                  recent=r["recent"], after_prompt=r["after_prompt"],
+                                                  prefill_allowance=1.0 if r["after_prompt"] else r["prefill_allowance"]))
             if r["cancel_step"] == step:
                 engine.abort(str(i))
         for out in engine.step():
@@ -95,7 +97,8 @@ def test_tight_pool_never_runs_out_of_pages(sc, num_pages, threshold):
         try:
             engine.add_request(str(i), r["prompt"], SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
                                EvictionParams(r["policy"], budget=r["budget"], sink=r["sink"], recent=r["recent"],
-                                              after_prompt=r["after_prompt"]))
+                                              after_prompt=r["after_prompt"],
+                                              prefill_allowance=1.0 if r["after_prompt"] else r["prefill_allowance"]))
             admitted.add(str(i))
         except ValueError as e:
             assert "KV pages" in str(e)
