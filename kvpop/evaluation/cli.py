@@ -182,9 +182,10 @@ def run(args) -> int:
             "prefill_chunk": args.prefill_chunk, "sink": args.sink, "recent": args.recent, **_question_meta(args),
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
-    report.write(rows, families, out, meta)
+    report.write(rows, families, out, meta, dense + rest)
     print(report.markdown(rows, families))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
+          f"in {meta['seconds']} s")
     return 0
 
 
@@ -243,7 +244,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
             "recent": args.recent, **_question_meta(args), "seconds": round(time.time() - t0, 1), "decisions": decisions,
             "errors": errors}
     out = Path(args.out)
-    report.write(rows, families, out, meta)
+    report.write(rows, families, out, meta, outcomes)
     print(report.markdown(rows, families))
     for key, d in decisions.items():
         if key.startswith("learned"):

@@ -109,8 +109,29 @@ def plot(rows: list[dict], families: list[str], path: Path) -> None:
     fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
 
 
-def write(rows: list[dict], families: list[str], out: Path, meta: dict) -> None:
+def outcome_line(o) -> dict:
+    """One request of the run as it went: which prompt, what came back, whether
+    it counted, the KV it held. Pooled tables hide which prompt a policy lost."""
+    inst, s = o.instance, o.setting
+    expected = getattr(inst, "answers", None) or [getattr(inst, "answer", "")]
+    line = {"policy": s.policy, "compression": s.compression, "family": inst.family, "seed": inst.seed,
+            "length": getattr(inst, "length", 0) or None, "prompt_tokens": len(inst.prompt_ids),
+            "budget": o.budget, "expected": expected, "correct": o.correct, "text": o.text,
+            "held_tokens": None if o.held_tokens is None else round(o.held_tokens, 1),
+            "peak_kv_mib": None if o.peak_bytes is None else round(o.peak_bytes / 2**20, 2)}
+    if o.error:
+        line["error"] = o.error
+    return line
+
+
+def write(rows: list[dict], families: list[str], out: Path, meta: dict, outcomes: list | None = None) -> None:
+    """results.json (the table's rows), meta.json, results.md, accuracy.png and,
+    given the outcomes, outcomes.jsonl (one line per request: outcome_line)."""
     out.mkdir(parents=True, exist_ok=True)
+    if outcomes is not None:
+        with open(out / "outcomes.jsonl", "w") as f:
+            for o in outcomes:
+                f.write(json.dumps(outcome_line(o)) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families))

@@ -1,5 +1,5 @@
 """`kvpop eval --quick` end to end as a real process on the shipped default
-model: well-formed results.json, markdown table and plot."""
+model: well-formed results.json, outcomes.jsonl, markdown table and plot."""
 from __future__ import annotations
 
 import json
@@ -49,6 +49,16 @@ def test_quick_eval_writes_well_formed_results(tmp_path):
             assert r["held_tokens"] < d["held_tokens"] and r["peak_kv_mib"] < d["peak_kv_mib"], (pol, comp)
             if comp == 0.9375:
                 assert r["held_tokens"] < pooled[pol, 0.75]["held_tokens"], pol
+    # One line per request; its correctness agrees with the table, and a dense line's text is what it answered.
+    lines = [json.loads(x) for x in (tmp_path / "outcomes.jsonl").read_text().splitlines()]
+    assert len(lines) == sum(pooled[k]["n"] for k in pooled) == 4 * len(expected)
+    for (pol, comp), r in pooled.items():
+        mine = [x for x in lines if x["policy"] == pol and x["compression"] == comp]
+        assert len(mine) == 4 and sum(x["correct"] for x in mine) == round(r["accuracy"] * 4), (pol, comp)
+    for x in lines:
+        assert x["family"] in families and x["prompt_tokens"] > 400 and x["peak_kv_mib"] > 0
+        assert (x["budget"] is None) == (x["policy"] == "dense")
+        assert not x["correct"] or any(e in x["text"] for e in x["expected"]), x
     md = (tmp_path / "results.md").read_text()
     assert md.count("\n|") >= len(expected) + 1 and "| oracle | 93.75% |" in md
     png = (tmp_path / "accuracy.png").read_bytes()

@@ -181,6 +181,8 @@ def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
         d = meta["decisions"][f"{label}@0.75"]
         assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
     assert meta["block_size"] == compute_info(served).model.block_size and (out / "accuracy.png").is_file()
+    lines = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 * 4 and all(x["peak_kv_mib"] > 0 and not x.get("error") for x in lines)
 
 
 def test_eval_via_goes_on_past_a_refused_request(served):
