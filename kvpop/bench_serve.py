@@ -23,7 +23,9 @@ stack being measured. It reports its own CPU seconds (``client_cpu_s``).
 
 Writes DIR/results.json, DIR/summary.json (throughput_ratio, concurrency_ratio:
 the first non-dense policy over dense at the highest rate; client_cpu_s),
-DIR/results.md, DIR/throughput.png and DIR/latency_cdf.png.
+DIR/results.md, DIR/throughput.png and DIR/latency_cdf.png. With
+`--prefill-chunks 512,128` the whole run repeats on one stack per prompt
+chunk size (rows carry `prefill_chunk`; summary.json `by_prefill_chunk`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from kvpop.config import PREFILL_CHUNK
 from kvpop.loadgen import AsyncStream, percentile, request
 from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
@@ -68,6 +71,10 @@ def add_arguments(p) -> None:
                    help="tasks: the default model's task prompts; real: real-text retrieval chats (SmolLM2)")
     p.add_argument("--lengths", default="1024,2048", help="--suite real: prompt lengths in the model's tokens")
     p.add_argument("--tasks", default="needle,multikey", help="--suite real: families")
+    p.add_argument("--prefill-chunks", metavar="N[,N]",
+                   help="one stack per prompt chunk size (compute's --prefill-chunk), every policy and rate on "
+                        "each: what a smaller chunk (a lower peak when the budget holds during prefill) costs "
+                        "under load. Default: compute's own")
     p.add_argument("--quick", action="store_true", help="a small run that checks the benchmark works")
     p.add_argument("--out", type=Path, required=True)
 
@@ -209,28 +216,60 @@ def run(args) -> int:
     except ValueError as e:
         print(f"kvpop bench serve: {e}")
         return 2
-    stack = None
-    address, compute = args.via, args.compute
-    if not args.via:
-        from kvpop.launcher import start_stack
-        print(f"starting a stack on {args.model}: {args.num_pages} KV pages, block size {args.block_size}, "
-              f"max {args.max_num_seqs} sequences ...")
-        stack = start_stack(Path(tempfile.mkdtemp(prefix="kvpop-bench-serve-")), model=args.model, timeout=180,
-                            service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
-                                                      str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs)]})
-        address, compute = stack.gateway, stack.proc("compute").address
     try:
-        rows, client_cpu = asyncio.run(serve(args, insts, policies, rates, address, compute,
-                                             stack.security() if stack is not None else None))
-    finally:
-        if stack is not None:
-            from kvpop.launcher_down import stop_stack
-            stop_stack(stack, grace=5)
+        chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()] if args.prefill_chunks else [None]
+    except ValueError:
+        chunks = [0]
+    if any(c is not None and c < 1 for c in chunks) or (args.via and args.prefill_chunks):
+        print("kvpop bench serve: --prefill-chunks takes positive token counts, and starts its own stacks "
+              "(not with --via)")
+        return 2
+    rows, client_cpu = [], 0.0
+    for chunk in chunks:
+        got, cpu = _serve_on_stack(args, insts, policies, rates, chunk)
+        for r in got:
+            r["prefill_chunk"] = chunk if chunk is not None or args.via else PREFILL_CHUNK
+        rows += got
+        client_cpu += cpu
     write(args, rows, policies, rates, client_cpu)
     return 0
 
 
+def _serve_on_stack(args, insts, policies, rates, chunk: int | None) -> tuple[list[dict], float]:
+    """serve() on --via's stack, or on one started for the run (with ``chunk`` as compute's prompt chunk)."""
+    stack = None
+    address, compute = args.via, args.compute
+    if not args.via:
+        from kvpop.launcher import start_stack
+        extra = ["--prefill-chunk", str(chunk)] if chunk is not None else []
+        print(f"starting a stack on {args.model}: {args.num_pages} KV pages, block size {args.block_size}, "
+              f"max {args.max_num_seqs} sequences{f', prefill chunk {chunk}' if chunk else ''} ...")
+        stack = start_stack(Path(tempfile.mkdtemp(prefix="kvpop-bench-serve-")), model=args.model, timeout=180,
+                            service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
+                                                      str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs),
+                                                      *extra]})
+        address, compute = stack.gateway, stack.proc("compute").address
+    try:
+        return asyncio.run(serve(args, insts, policies, rates, address, compute,
+                                 stack.security() if stack is not None else None))
+    finally:
+        if stack is not None:
+            from kvpop.launcher_down import stop_stack
+            stop_stack(stack, grace=5)
+
+
 def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
+    """The ratios at the highest rate; with several prompt chunks, per chunk
+    (``by_prefill_chunk``), the first chunk's at the top level."""
+    chunks = sorted({r.get("prefill_chunk") for r in rows}, key=lambda c: -1 if c is None else c)
+    if len(chunks) > 1:
+        first = [c for c in dict.fromkeys(r.get("prefill_chunk") for r in rows)][0]
+        per = {str(c): _summary([r for r in rows if r.get("prefill_chunk") == c], policies, rates) for c in chunks}
+        return {**per[str(first)], "by_prefill_chunk": per}
+    return _summary(rows, policies, rates)
+
+
+def _summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
     top = "inf" if not math.isfinite(max(rates)) else max(rates)
     at = {r["policy"]: r for r in rows if r["rate"] == top}
     other = next((p for p in policies if p not in ("dense", "hf")), None)
@@ -253,13 +292,13 @@ def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["policy", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+    head = ["policy", "prefill chunk", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
             "ITL p50/p99 ms", "peak running", "peak pages", "budget shrinks", "network", "accuracy", "errors"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
         out.append("| " + " | ".join(str(x) for x in [
-            r["policy"], r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
+            r["policy"], r.get("prefill_chunk") or "-", r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
             f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", r["peak_running"], r["peak_pages"],
             "-" if r.get("budget_shrinks") is None else r["budget_shrinks"], share,
@@ -293,10 +332,12 @@ def plots(rows, policies, rates, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     xs = {r: (i, str(r)) for i, r in enumerate(sorted({row["rate"] for row in rows}, key=lambda v: float(v)))}
+    several = len({r.get("prefill_chunk") for r in rows}) > 1
+    name = lambda r: f"{r['policy']}, chunk {r['prefill_chunk']}" if several else r["policy"]
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    for pol in policies:
-        pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if r["policy"] == pol)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=pol)
+    for label in dict.fromkeys(name(r) for r in rows):
+        pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if name(r) == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xticks([v[0] for v in xs.values()], [v[1] for v in xs.values()])
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("output tokens/s")
@@ -310,7 +351,7 @@ def plots(rows, policies, rates, out: Path) -> None:
         for r in rows:
             if r["rate"] == top and r[key]:
                 v = sorted(r[key])
-                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=r["policy"])
+                ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name(r))
         ax.set_xscale("log")
         ax.set_title(f"{title}, rate {top}", fontsize=10)
         ax.legend()

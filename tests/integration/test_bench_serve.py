@@ -21,12 +21,19 @@ pytestmark = pytest.mark.slow
 def test_bench_serve_quick_writes_results_and_summary(tmp_path):
     p = argparse.ArgumentParser()
     bench_serve.add_arguments(p)
-    args = p.parse_args(["--quick", "--out", str(tmp_path / "serve")])
+    # Two stacks, one per prompt chunk size: every policy on each.
+    args = p.parse_args(["--quick", "--prefill-chunks", "512,128", "--out", str(tmp_path / "serve")])
     assert bench_serve.run(args) == 0
     out = tmp_path / "serve"
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    both = json.loads((out / "results.json").read_text())["rows"]
     summary = json.loads((out / "summary.json").read_text())
-    assert {r["policy"] for r in rows} == {"dense", "learned"}
+    assert sorted((r["prefill_chunk"], r["policy"]) for r in both) == [(128, "dense"), (128, "learned"),
+                                                                        (512, "dense"), (512, "learned")]
+    assert set(summary["by_prefill_chunk"]) == {"128", "512"}
+    assert summary["throughput_ratio"] == summary["by_prefill_chunk"]["512"]["throughput_ratio"]
+    assert "| learned | 128 |" in (out / "results.md").read_text()
+    assert all(r["errors"] == 0 and r["requests"] == 8 for r in both), both
+    rows = [r for r in both if r["prefill_chunk"] == 512]
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 8, r
         assert r["output_tokens_per_s"] > 0 and r["peak_running"] >= 1 and r["peak_pages"] > 0, r
