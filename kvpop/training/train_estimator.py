@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.config import PLAN_INTERVAL
+from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
 from kvpop.model_store import model_arg
 
 KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "chunk ends (the shipped default network: 8)")
     p.add_argument("--plan-interval", type=int, default=PLAN_INTERVAL,
                    help="compute's plan interval in tokens (decode features are sent in batches this long)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
+                   help="compute's prompt chunk in tokens (KVPOP_PREFILL_CHUNK): the prompt's decision points; "
+                        "a network serves best at the chunk it was traced with")
     p.add_argument("--decisions", type=int, default=16, help="decode-time decisions sampled per traced sequence")
     p.add_argument("--every-step", action="store_true",
                    help="decode-time decisions at every decode step (each knowing the blocks sent so far), "
@@ -417,6 +420,9 @@ def run(args) -> int:
     if not bss or not recents or min(bss + (serves or [])) < 1 or min(recents) < 0 or args.n < 2:
         print("need block sizes (--block-sizes, --serves-block-sizes) >= 1, recent >= 0 and --n >= 2")
         return 2
+    if args.prefill_chunk < 1:
+        print(f"--prefill-chunk must be >= 1 token, got {args.prefill_chunk}")
+        return 2
     if args.trace_only and not args.traces:
         print("--trace-only needs --traces FILE (where the traces go)")
         return 2
@@ -446,7 +452,8 @@ def run(args) -> int:
     else:
         choices = [TraceConfig(block_size=b, sink=args.sink, recent=r, horizon=args.horizon, snapshots=args.decisions,
                               target=args.target, decode_only=args.decode_only, plan_interval=args.plan_interval,
-                              every_step=args.every_step, answer_weight=args.answer_weight)
+                              every_step=args.every_step, answer_weight=args.answer_weight,
+                              prefill_chunk=args.prefill_chunk)
                    for b in bss for r in recents]
         if args.prompts or args.suite == "real":
             from kvpop.training.traces import prompt_file_traces, real_traces
@@ -531,6 +538,7 @@ def run(args) -> int:
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
+                   "prefill_chunk": args.prefill_chunk,
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
                    "key_diff": cfg.key_diff, "reach": cfg.reach, "prev_block": cfg.prev_block,
                    "families": args.families,

@@ -222,9 +222,17 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     out = tmp_path / "m" / "estimator.safetensors"
     # Tracing alone: the traces file and no checkpoint (and it needs a file to write).
     assert main(["train-estimator", "--model", str(tmp_path / "m"), "--trace-only"]) == 2
+    assert main(["train-estimator", "--model", str(tmp_path / "m"), "--prefill-chunk", "0"]) == 2
+    # Traced at compute's prompt chunk: a 32-token chunk puts decision points inside 64-96-token prompts
+    # (at the default 512 the prompt's only one is its end).
     rc = main(["train-estimator", "--model", str(tmp_path / "m"), "--n", "6", "--min-len", "64", "--max-len", "96",
-               "--block-sizes", "1,4", "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--trace-only"])
+               "--block-sizes", "1,4", "--threads", "1", "--traces", str(tmp_path / "traces.pt"), "--trace-only",
+               "--prefill-chunk", "32"])
     assert rc == 0 and (tmp_path / "traces.pt").exists() and not out.exists()
+    import torch
+    traced = torch.load(tmp_path / "traces.pt", weights_only=False)
+    # 32 is before every prompt's end (>= 63 tokens): only a chunk end can put a decision there.
+    assert sum(32 in e["times"].tolist() for e in traced) >= 2, [e["times"] for e in traced]
     assert not (tmp_path / "traces.pt.part").exists()      # written aside, then renamed into place
     # A truncated traces file (a run killed mid-write before writes were atomic) is one line, not a traceback.
     cut = tmp_path / "cut.pt"
