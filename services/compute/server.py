@@ -287,6 +287,9 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         span.set_attribute("kvpop.prompt_tokens", len(ids))
         span.set_attribute("kvpop.policy", eviction.policy)
         span.set_attribute("kvpop.session_context_tokens", held)
+        # When the budget holds decides the request's peak: visible beside kvpop.kv_blocks_peak.
+        span.set_attribute("kvpop.budget_holds", "after_prompt" if eviction.after_prompt else
+                           f"prefill_x{eviction.prefill_allowance:g}" if eviction.prefill_allowance > 1 else "prefill")
         advised = self.advisor is not None and eviction.policy == "learned"
         if advised:
             self.advisor.set_context(rid, telemetry.inject())

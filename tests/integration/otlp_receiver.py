@@ -15,6 +15,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
         self.lock = threading.Lock()
         self.spans: list[tuple[str, str, str]] = []   # (trace_id hex, service.name, span name)
         self.events: list[tuple[str, str, str, dict]] = []   # (trace_id hex, service.name, event name, attributes)
+        self.attributes: list[tuple[str, str, str, dict]] = []   # (trace_id hex, service.name, span name, attributes)
 
     def Export(self, request, context):
         with self.lock:
@@ -23,6 +24,8 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         self.spans.append((span.trace_id.hex(), service, span.name))
+                        self.attributes.append((span.trace_id.hex(), service, span.name, {
+                            a.key: getattr(a.value, a.value.WhichOneof("value")) for a in span.attributes}))
                         for ev in span.events:
                             attrs = {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in ev.attributes}
                             self.events.append((span.trace_id.hex(), service, ev.name, attrs))
@@ -39,6 +42,10 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def events_in(self, trace_id: str, name: str) -> list[tuple[str, dict]]:
         with self.lock:
             return [(svc, attrs) for tid, svc, n, attrs in self.events if tid == trace_id and n == name]
+
+    def span_attributes(self, trace_id: str, service: str, name: str) -> list[dict]:
+        with self.lock:
+            return [a for tid, svc, n, a in self.attributes if (tid, svc, n) == (trace_id, service, name)]
 
     def wait_for(self, trace_id: str, services: set[str], timeout: float) -> set[str]:
         deadline = time.monotonic() + timeout

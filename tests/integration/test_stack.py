@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 from pathlib import Path
 
 import grpc
 import pytest
 
 from helpers_common import collect
-from stack_helpers import BLOCK_SIZE, compute_info, stack_env, wait_until
+from stack_helpers import BLOCK_SIZE, compute_info, wait_until
 import redis
 
 from kvpop.launcher import restart_service
@@ -80,13 +79,18 @@ def test_one_trace_spans_all_services(gateway, compute, otlp):
     trace_id = secrets.token_hex(16)
     md = (("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01"),)
     # learned + a small budget: blocks leave the recent window, so the cache-manager plans.
-    req = request(max_tokens=120, ignore_eos=True, policy="learned", budget_tokens=64)
+    req = request(max_tokens=120, ignore_eos=True, policy="learned", budget_tokens=64, prefill_allowance=1.5)
     _, _, final = collect(gateway.Generate(req, timeout=60, metadata=md))
     assert final is not None
     want = {"gateway", "compute", "cache-manager"}
     got = otlp.wait_for(trace_id, want, timeout=15)
     assert want <= got, f"trace {trace_id} has spans from {got} only"
     assert ("cache-manager", "cache_manager.plan") in otlp.span_names(trace_id)
+    # Compute's span says how the budget held and what the request ended with (docs/configuration.md).
+    [attrs] = otlp.span_attributes(trace_id, "compute", "kvpop.compute.v1.Compute/Serve")
+    assert attrs["kvpop.policy"] == "learned" and attrs["kvpop.budget_holds"] == "prefill_x1.5", attrs
+    assert attrs["kvpop.kv_blocks_peak"] == final.usage.kv_blocks_peak > 0, attrs
+    assert attrs["kvpop.evicted_blocks"] == final.usage.kv_blocks_evicted, attrs
     # Every eviction round is an event on compute's span: blocks, where the ranking came from, plan age.
     rounds = otlp.events_in(trace_id, "eviction_round")
     assert rounds and all(svc == "compute" for svc, _ in rounds), rounds
@@ -152,7 +156,6 @@ def test_health_names_reflection_and_token(stack):
     """Every service: readiness "" and its service name SERVING, liveness `kvpop.live`,
     its capability names; reflection only on the public gateway; the internal
     services refuse calls without the stack's token (`kvpop up` made one)."""
-    import os
     import stat
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
