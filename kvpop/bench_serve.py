@@ -9,7 +9,8 @@ end-of-solution mark); `--suite real` the real-text retrieval prompts of
 `kvpop eval --suite real` at `--lengths`, sent as chat `messages` (the
 model's template renders them), an answer counting when every expected value
 appears in the text. A policy named `NAME+after` holds its budget from the
-end of the prompt on (the request's `evict_after_prompt`). Each request is a distinct client
+end of the prompt on (the request's `evict_after_prompt`), `NAME+prefill<N>x`
+up to N x its budget during prefill (`prefill_allowance`). Each request is a distinct client
 (x-client-id), as many users would be. Poisson arrivals at each offered rate (`inf`: everything at once, the
 saturation point). Every policy runs the same requests on the same stack and
 pool, one after the other. Reported per (policy, rate): requests/s, output
