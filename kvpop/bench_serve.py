@@ -42,7 +42,6 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
-from kvpop.config import PREFILL_CHUNK
 from kvpop.loadgen import AsyncStream, percentile, request
 from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
@@ -109,13 +108,11 @@ def real_workload(model_dir: str, n: int, seed: int, lengths: list[int], familie
 def make_request(pb, inst, policy: str, budget: float, new_tokens: int, sink: int, recent: int):
     """The request for one instance: a chat when it has messages, `+after` as
     evict_after_prompt, `+prefill<N>x` as prefill_allowance."""
-    from kvpop.evaluation.harness import after_prompt, base_label, prefill_allowance
+    from kvpop.evaluation.harness import base_label, set_protocol
     req = request(pb, inst.prompt, base_label(policy), budget, new_tokens,
                   messages=getattr(inst, "messages", None))
     req.sink_tokens, req.recent_tokens = sink, recent
-    req.evict_after_prompt = after_prompt(policy)
-    if prefill_allowance(policy) > 1.0:
-        req.prefill_allowance = prefill_allowance(policy)
+    set_protocol(req, policy)
     return req
 
 
@@ -217,20 +214,15 @@ def run(args) -> int:
     except ValueError as e:
         print(f"kvpop bench serve: {e}")
         return 2
-    try:
-        chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()] if args.prefill_chunks else [None]
-    except ValueError:
-        chunks = [0]
-    if any(c is not None and c < 1 for c in chunks) or (args.via and args.prefill_chunks):
+    chunks = [c.strip() for c in (args.prefill_chunks or "").split(",") if c.strip()]
+    if not all(c.isdigit() and int(c) > 0 for c in chunks) or (args.via and chunks):
         print("kvpop bench serve: --prefill-chunks takes positive token counts, and starts its own stacks "
               "(not with --via)")
         return 2
     rows, client_cpu = [], 0.0
-    for chunk in chunks:
+    for chunk in [int(c) for c in chunks] or [None]:      # None: compute's own setting
         got, cpu = _serve_on_stack(args, insts, policies, rates, chunk)
-        for r in got:
-            r["prefill_chunk"] = chunk if chunk is not None or args.via else PREFILL_CHUNK
-        rows += got
+        rows += [{**r, "prefill_chunk": chunk} for r in got]
         client_cpu += cpu
     write(args, rows, policies, rates, client_cpu)
     return 0
@@ -262,11 +254,10 @@ def _serve_on_stack(args, insts, policies, rates, chunk: int | None) -> tuple[li
 def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
     """The ratios at the highest rate; with several prompt chunks, per chunk
     (``by_prefill_chunk``), the first chunk's at the top level."""
-    chunks = sorted({r.get("prefill_chunk") for r in rows}, key=lambda c: -1 if c is None else c)
+    chunks = list(dict.fromkeys(r.get("prefill_chunk") for r in rows))
     if len(chunks) > 1:
-        first = [c for c in dict.fromkeys(r.get("prefill_chunk") for r in rows)][0]
         per = {str(c): _summary([r for r in rows if r.get("prefill_chunk") == c], policies, rates) for c in chunks}
-        return {**per[str(first)], "by_prefill_chunk": per}
+        return {**per[str(chunks[0])], "by_prefill_chunk": per}
     return _summary(rows, policies, rates)
 
 

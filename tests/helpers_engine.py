@@ -151,8 +151,9 @@ def check_invariants(engine):
         if st_.budget_blocks is not None:
             # A learned sequence held for its plan keeps its last prefill chunk until the plan comes.
             chunk = math.ceil(engine.config.prefill_chunk / seq.block_size) + 1 if seq.holding else 0
-            held_longer = st_.after_prompt or st_.prefill_blocks is not None     # the prompt, or an allowance
-            base = engine.scheduler.base_blocks(seq) if held_longer else st_.budget_blocks + st_.slack_blocks
+            # Held longer: the whole prompt (after_prompt) or an allowance, until the prompt is in.
+            base = (engine.scheduler.base_blocks(seq) if st_.prefill_blocks is not None
+                    else st_.budget_blocks + st_.slack_blocks)
             assert seq.num_blocks <= base + chunk, (st_, seq.num_blocks)
         assert bool((bi[:, 1:] > bi[:, :-1]).all()), "rows sorted, no duplicates"
         if st_.budget_blocks is None and engine.model.config.sliding_window:

@@ -49,6 +49,13 @@ def prefill_allowance(label: str) -> float:
         raise ValueError(f"{label!r}: write the prefill allowance as {PREFILL}<N>x, e.g. learned{PREFILL}4x") from None
 
 
+def set_protocol(req, label: str) -> None:
+    """A GenerateRequest's fields for the label's suffix: evict_after_prompt, prefill_allowance."""
+    req.evict_after_prompt = after_prompt(label)
+    if prefill_allowance(label) > 1.0:
+        req.prefill_allowance = prefill_allowance(label)
+
+
 def base_label(label: str) -> str:
     """The label without its protocol suffix (+after, +prefill<N>x)."""
     label = label.removesuffix(AFTER)

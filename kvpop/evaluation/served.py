@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import grpc
 from tqdm import tqdm
 
-from kvpop.evaluation.harness import (Outcome, Setting, after_prompt, budget_tokens, policy_spec, prefill_allowance,
-                                      recent_tokens, record_kv)
+from kvpop.evaluation.harness import (Outcome, Setting, budget_tokens, policy_spec, recent_tokens, record_kv,
+                                      set_protocol)
 from kvpop.tasks.checker import is_correct
 
 
@@ -53,9 +53,7 @@ class ServedHarness:
             o.budget = budget_tokens(inst, s.compression, self.min_budget)
             req.budget_tokens = o.budget
             req.recent_tokens = recent_tokens(s.policy, o.budget, self.recent, self.sink, self.bs)
-            req.evict_after_prompt = after_prompt(s.policy)
-            if prefill_allowance(s.policy) > 1.0:
-                req.prefill_allowance = prefill_allowance(s.policy)
+            set_protocol(req, s.policy)
         return req
 
     def _run_one(self, o: Outcome) -> None:

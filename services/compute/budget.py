@@ -70,9 +70,9 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
                 f"(sink + recent + 1 block, in whole blocks)")
     floor = max(minimum, math.ceil(blocks * cleanup_floor))
     slack = plan_slack_blocks if p.policy == LEARNED else 0
-    # Past the prompt's blocks an allowance changes nothing: the prompt is simply held whole.
-    prefill = None
-    if p.prefill_allowance > 1.0:
-        prefill = min(math.ceil(blocks * p.prefill_allowance), math.ceil(prompt_len / block_size) + 1)
+    # What holds while the prompt goes in: after_prompt is the whole prompt, an allowance
+    # a multiple of the budget (past the prompt, the prompt); neither above the budget: the budget.
+    whole_prompt = math.ceil(prompt_len / block_size) + 1
+    prefill = whole_prompt if p.after_prompt else min(math.ceil(blocks * p.prefill_allowance), whole_prompt)
     return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, p.after_prompt,
-                         prefill if prefill is not None and prefill > blocks else None)
+                         prefill if prefill > blocks else None)

@@ -154,7 +154,7 @@ def overshoot(seq: Sequence) -> int:
     """Blocks per row over the budget, leaving room for the block the next
     decode step may open (0 for dense sequences)."""
     st = seq.eviction
-    if st.budget_blocks is None or (st.after_prompt and seq.in_prefill):
+    if st.budget_blocks is None:
         return 0
     n, bs = seq.num_cached, seq.block_size
     target = st.target_blocks(seq.in_prefill) - (1 if not seq.in_prefill and n % bs == 0 else 0)
@@ -211,7 +211,8 @@ def shrink_budget(seq: Sequence, pool: KVPool, to: int) -> None:
     """Cleanup (docs/design.md, protocol step 6): lower the budget to ``to``
     (the scheduler chooses it, at or above the floor) and evict now."""
     st = seq.eviction
-    # Under memory pressure a prefill allowance is the first thing to go.
-    st.budget_blocks, st.prefill_blocks = to, None
+    st.budget_blocks = to
+    if not st.after_prompt:
+        st.prefill_blocks = None    # under memory pressure a prefill allowance is the first thing to go
     # The pool needs the pages now: a learned sequence uses its plan if it is fresh.
     eviction_round(seq, pool, usable_plan(seq) if st.policy == LEARNED else None, CLEANUP)

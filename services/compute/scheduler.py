@@ -80,17 +80,13 @@ class Scheduler:
     @staticmethod
     def base_blocks(seq: Sequence) -> int:
         """A budgeted sequence's blocks outside prefill overshoot: its budget_blocks,
-        or its whole prompt while it asks for the budget after its prompt (its
-        prefill allowance while it has one) and the round that follows its
-        prefill has not run yet."""
+        or its prefill budget (the whole prompt with after_prompt, its allowance)
+        until the round that follows its prefill has run."""
         base = Scheduler.budget_blocks(seq)
-        if seq.eviction.after_prompt and (seq.in_prefill or seq.num_blocks > base):
-            # Until the round after its prompt evicts it down, it holds the whole prompt.
-            return max(base, math.ceil(seq.num_prompt / seq.block_size) + 1)
-        st = seq.eviction
-        if st.prefill_blocks is not None and (seq.in_prefill or seq.num_blocks > base):
-            # A prefill allowance: held until the round after the prompt brings it down.
-            return min(Scheduler.dense_blocks(seq), max(base, st.prefill_blocks + st.slack_blocks + 1))
+        pb = seq.eviction.prefill_blocks
+        if pb is not None and (seq.in_prefill or seq.num_blocks > base):
+            # Until the round after its prompt evicts it down, it holds its prefill budget.
+            return max(base, pb)
         return base
 
     def may_overshoot(self, seq: Sequence) -> bool:
@@ -165,7 +161,9 @@ class Scheduler:
         if st.budget_blocks is None:
             return None
         old = b = st.budget_blocks
-        allowance, st.prefill_blocks = st.prefill_blocks, None      # shrink_budget drops it first
+        allowance = st.prefill_blocks
+        if not st.after_prompt:
+            st.prefill_blocks = None      # shrink_budget drops an allowance first
         try:
             while b > st.floor_blocks:
                 b = max(st.floor_blocks, (b + st.floor_blocks) // 2)

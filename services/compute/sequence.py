@@ -45,9 +45,9 @@ class EvictionState:
     # The budget holds from the end of the prompt on: the prompt is prefilled
     # in full (its pages reserved), then one round evicts it down (kvpress-style).
     after_prompt: bool = False
-    # While the prompt is prefilled, the budget is this many blocks (the request's
-    # prefill_allowance x its budget); None: the budget. The round at the prompt's
-    # end brings every row down to budget_blocks.
+    # While the prompt is prefilled, the budget is this many blocks: the whole
+    # prompt (after_prompt) or the request's prefill_allowance x its budget; None:
+    # the budget. The round at the prompt's end brings every row down to budget_blocks.
     prefill_blocks: int | None = None
 
     def target_blocks(self, in_prefill: bool) -> int | None:
