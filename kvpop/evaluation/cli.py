@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "so a budget held during prefill ranks the text with the question in the context")
     p.add_argument("--no-kl", action="store_true",
                    help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
+    p.add_argument("--no-dense", action="store_true",
+                   help="skip the dense reference (its row and the retention column): for a rerun of policies "
+                        "whose dense row an earlier run of the same prompts has; needs --no-kl")
     p.add_argument("--tasks", default="all", help="comma-separated task families, or 'all'")
     p.add_argument("--n", type=int, default=16, help="test instances per family")
     p.add_argument("--seed", type=_seeds, default=[0], metavar="SEED[,SEED...]",
@@ -125,6 +128,10 @@ def run(args) -> int:
     if any(not 0.0 < c < 1.0 for c in comps):
         print("compressions must be in (0, 1)")
         return 2
+    if args.no_dense and (not args.no_kl or "dense" in policies):
+        print("--no-dense skips the dense reference: it needs --no-kl (KL is measured against dense) and no "
+              "'dense' in --policies")
+        return 2
     if args.via:
         return run_via(args, policies, comps, families)
     from services.compute.loader import resolve_device
@@ -165,7 +172,7 @@ def run(args) -> int:
     harness = Harness(engine, sink=args.sink, recent=args.recent, block_size=args.block_size)
     t0 = time.time()
     forcing = not args.no_kl
-    dense = harness.run([Setting("dense", 0.0)], instances, desc="dense", forcing=forcing)
+    dense = [] if args.no_dense else harness.run([Setting("dense", 0.0)], instances, desc="dense", forcing=forcing)
     reference = {(o.instance.family, o.instance.seed): o.logprobs for o in dense}
     for o in dense:
         o.kl = [0.0] * len(o.logprobs)
@@ -228,7 +235,8 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
           f"block size {info.block_size}, plan interval {info.plan_interval}")
     t0 = time.time()
     try:
-        settings = [Setting("dense", 0.0)] + [Setting(p, c) for p in policies if p != "dense" for c in comps]
+        settings = [] if args.no_dense else [Setting("dense", 0.0)]
+        settings += [Setting(p, c) for p in policies if p != "dense" for c in comps]
         outcomes = harness.run(settings, instances)
     finally:
         harness.close()

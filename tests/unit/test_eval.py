@@ -262,3 +262,22 @@ def test_eval_pools_several_seeds_into_one_table(tmp_path):
     assert json.loads((out / "meta.json").read_text())["seed"] == [3, 5]
     with pytest.raises(SystemExit):
         main(["eval", "--seed", "3,3", "--out", str(out)])
+
+
+def test_no_dense_runs_only_the_policies_asked_for(tmp_path, capsys):
+    """`--no-dense` (a rerun of one policy on prompts whose dense row exists) runs
+    no dense request: the table and outcomes hold only the policy's rows, with no
+    retention. KL needs dense, so it asks for --no-kl."""
+    from kvpop.cli import main
+
+    out = tmp_path / "e"
+    assert main(["eval", "--policies", "h2o", "--compression", "0.5", "--tasks", "passkey", "--quick", "--seed", "3",
+                 "--no-kl", "--no-dense", "--threads", "1", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in rows} == {"h2o"} and all(r["retention"] is None for r in rows)
+    lines = (out / "outcomes.jsonl").read_text().splitlines()
+    assert lines and all(json.loads(x)["policy"] == "h2o" for x in lines)
+    capsys.readouterr()
+    assert main(["eval", "--policies", "h2o", "--no-dense", "--quick", "--out", str(out)]) == 2
+    assert "--no-kl" in capsys.readouterr().out
+    assert main(["eval", "--policies", "dense,h2o", "--no-dense", "--no-kl", "--quick", "--out", str(out)]) == 2
