@@ -170,7 +170,7 @@ class Harness:
         outcomes = [Outcome(s, inst) for s in settings for inst in instances]
         kinds = ("gen", "tf") if forcing else ("gen",)
         jobs = deque((f"{k}:{kind}", o, kind == "tf") for k, o in enumerate(outcomes) for kind in kinds)
-        live: dict[str, tuple[Outcome, bool, list[int]]] = {}
+        live: dict[str, tuple[Outcome, bool, list[int], list[str]]] = {}
         eng = self.engine
         cap = eng.config.max_num_seqs
         bar = tqdm(total=len(jobs), desc=desc, dynamic_ncols=True, mininterval=2)
@@ -178,11 +178,12 @@ class Harness:
             while jobs and len(live) < cap:
                 rid, o, forced = jobs.popleft()
                 eng.add_sequence(self._make(rid, o, forced))
-                live[rid] = (o, forced, [])
+                live[rid] = (o, forced, [], [])
             for out in eng.step():
-                o, forced, toks = live[out.request_id]
+                o, forced, toks, text = live[out.request_id]
                 if out.token_id is not None:
                     toks.append(out.token_id)
+                text.append(out.text_delta)
                 if not out.finished:
                     continue
                 del live[out.request_id]
@@ -198,8 +199,12 @@ class Harness:
                         o.kl = kl_to_dense(reference[(o.instance.family, o.instance.seed)], rows)
                 else:
                     inst = o.instance
-                    # Real-text instances bring their model's decoder and their own scoring.
-                    o.text = inst.decode(toks) if hasattr(inst, "decode") else decode_ids(toks)
+                    # The text compute streams (what a client of the stack reads), so a served
+                    # run's outcomes.jsonl compares line for line; an engine without a tokenizer
+                    # streams none, and the instance's own decoder stands in.
+                    streamed = "".join(text)
+                    o.text = streamed if eng.tokenizer is not None else \
+                        inst.decode(toks) if hasattr(inst, "decode") else decode_ids(toks)
                     o.generated = len(toks)
                     o.correct = is_correct(inst, o.text)
                     record_kv(o, out.usage, self.rows, self.bs, self.block_bytes)

@@ -183,6 +183,17 @@ def test_eval_via_the_gateway_measures_what_is_served(served, tmp_path):
     assert meta["block_size"] == compute_info(served).model.block_size and (out / "accuracy.png").is_file()
     lines = [json.loads(x) for x in (out / "outcomes.jsonl").read_text().splitlines()]
     assert len(lines) == 4 * 4 and all(x["peak_kv_mib"] > 0 and not x.get("error") for x in lines)
+    # The same prompts in process: the same text (as compute streams it), KV held and peak, line for line.
+    here = tmp_path / "here"
+    args = p.parse_args(["--quick", "--policies", "dense,learned,learned+prefill2x,h2o", "--compression", "0.75",
+                         "--block-size", str(meta["block_size"]), "--no-kl", "--threads", "1", "--out", str(here)])
+    assert run_eval(args) == 0
+    key = ("policy", "compression", "family", "seed")
+    mine = {tuple(x[k] for k in key): x for x in map(json.loads, (here / "outcomes.jsonl").read_text().splitlines())}
+    assert len(mine) == len(lines)
+    for x in lines:
+        y = mine[tuple(x[k] for k in key)]
+        assert (x["text"], x["held_tokens"], x["peak_kv_mib"]) == (y["text"], y["held_tokens"], y["peak_kv_mib"]), (x, y)
 
 
 def test_eval_via_goes_on_past_a_refused_request(served):
