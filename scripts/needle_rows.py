@@ -69,6 +69,9 @@ def main() -> int:
                                     cleanup_threshold=float("inf")), advisor=advisor)
     out = Harness(engine).run([Setting(args.policy, args.compression)], [inst], desc=args.policy, forcing=False)[0]
     print(f"{args.policy} at {args.compression:.2%}: {'right' if out.correct else 'wrong'}: {out.text!r}")
+    if not plans:
+        print("no plan ranked the value's tokens (a policy the network does not rank, or no eviction)")
+        return 0
     print("\ntokens known | rows holding the whole value")
     for known, whole, _ in plans:
         print(f"{known:12,} | {int(whole.sum()):3d} of {whole.size}")

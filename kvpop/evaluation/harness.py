@@ -15,7 +15,6 @@ from kvpop.evaluation.forcing import ForcingRunner
 from kvpop.evaluation.oracle import OraclePolicy
 from kvpop.tasks.checker import is_correct
 from kvpop.tasks.instance import Instance
-from kvpop.tasks.vocab import decode_ids
 
 
 @dataclass(frozen=True)
@@ -200,11 +199,8 @@ class Harness:
                 else:
                     inst = o.instance
                     # The text compute streams (what a client of the stack reads), so a served
-                    # run's outcomes.jsonl compares line for line; an engine without a tokenizer
-                    # streams none, and the instance's own decoder stands in.
-                    streamed = "".join(text)
-                    o.text = streamed if eng.tokenizer is not None else \
-                        inst.decode(toks) if hasattr(inst, "decode") else decode_ids(toks)
+                    # run's outcomes.jsonl compares line for line.
+                    o.text = "".join(text)
                     o.generated = len(toks)
                     o.correct = is_correct(inst, o.text)
                     record_kv(o, out.usage, self.rows, self.bs, self.block_bytes)
