@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent setup: .venv with our pinned torch first (so nothing pulls a CUDA
-# build), the package with its test extra, and a redis-server binary.
+# build), the package with its test extra under constraints.txt (the versions
+# CI passed with), and a redis-server binary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -15,12 +16,12 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 stamp=.venv/.kvpop-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ constraints.txt -nt "$stamp" ]; then
   echo "installing into .venv (log: .venv/install.log)" >&2
   {
     .venv/bin/python -m pip install -q --upgrade pip &&
     .venv/bin/python -m pip install -q torch==2.13.0 &&
-    .venv/bin/python -m pip install -q -e ".[test]"
+    .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
   } > .venv/install.log 2>&1 || { tail -40 .venv/install.log >&2; exit 1; }
   touch "$stamp"
 fi

@@ -105,7 +105,8 @@ def test_services_and_structure(compose):
         dockerfile = (COMPOSE_DIR / build["context"] / build["dockerfile"]).resolve()
         assert dockerfile == COMPOSE_DIR / "Dockerfile"
     dockerfile = (COMPOSE_DIR / "Dockerfile").read_text()
-    assert "download.pytorch.org/whl/cu" in dockerfile and '".[gpu]"' in dockerfile
+    assert "download.pytorch.org/whl/cu" in dockerfile and '-c constraints.txt -e ".[gpu]"' in dockerfile
+    assert re.search(r"^COPY .*\bconstraints\.txt\b", dockerfile, re.M)
     assert re.search(r"^FROM \$\{CUDA_IMAGE\}", dockerfile, re.M)
     assert "nvidia/cuda:" in dockerfile
 
