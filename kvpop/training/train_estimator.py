@@ -101,6 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prev-block", action="store_true",
                    help="each block also sees the cross-row summary of the block before it (needs --cross-rows or "
                         "an --init network with it; with --init: added to that network, starting as it was)")
+    p.add_argument("--reach-skip", action="store_true",
+                   help="each row's score also gets a linear term of every row's reach for the block (needs "
+                        "--reach or an --init network with it; with --init: added at zero, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -517,10 +520,17 @@ def run(args) -> int:
                 print(f"--prev-block: {e}; add --cross-rows")
                 return 2
             cfg = net.cfg
+        if args.reach_skip and not cfg.reach_skip:
+            try:
+                net = with_parts(net, reach_skip=True)
+            except ValueError as e:
+                print(f"--reach-skip: {e}; add --reach")
+                return 2
+            cfg = net.cfg
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
                               cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach,
-                              prev_block=args.prev_block)
+                              prev_block=args.prev_block, reach_skip=args.reach_skip)
         try:
             net = ValueEstimator(cfg)
         except ValueError as e:
@@ -541,6 +551,7 @@ def run(args) -> int:
                    "prefill_chunk": args.prefill_chunk,
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
                    "key_diff": cfg.key_diff, "reach": cfg.reach, "prev_block": cfg.prev_block,
+                   "reach_skip": cfg.reach_skip,
                    "families": args.families,
                    "held_out": ev}
     if prior:

@@ -74,6 +74,11 @@ class EstimatorConfig:
     # more about "was this pair asked" than the value's own (docs/estimator.md,
     # "The previous block as an input"). Needs cross_rows.
     prev_block: bool = False
+    # Each row's score also gets a linear term of every row's reach for the same block:
+    # at block size 16 the two layer-1 rows' reach alone ranks a recall question's pairs
+    # above the network itself (AUC 0.80 against 0.70; docs/estimator.md, "Block size
+    # 16 and recall"). A direct path the optimiser finds at once. Needs reach.
+    reach_skip: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -173,6 +178,13 @@ class ValueEstimator(nn.Module):
             self.prev_out = nn.Linear(cfg.num_layers * cfg.num_kv_heads * cfg.cross_dim, D)
             nn.init.zeros_(self.prev_out.weight)
             nn.init.zeros_(self.prev_out.bias)
+        if cfg.reach_skip:
+            if not cfg.reach:
+                raise ValueError("reach_skip needs reach (it reads the reach column)")
+            R = cfg.num_layers * cfg.num_kv_heads
+            self.reach_skip = nn.Linear(R, R)
+            nn.init.zeros_(self.reach_skip.weight)
+            nn.init.zeros_(self.reach_skip.bias)
         self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
         # Per block: a bias and one coefficient per time feature (a learned decay curve).
         self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(),
@@ -215,6 +227,13 @@ class ValueEstimator(nn.Module):
         kd = key_diff(key_mean)
         return torch.cat([tfeat.expand(kd.shape[0], -1, -1), kd], -1)
 
+    def skip(self, scalars: torch.Tensor) -> torch.Tensor | float:
+        """scalars [R, n, S] of every row of one sequence -> [R, n]: the reach skip
+        (0 without it). Per block, so it needs no cache to stay exact."""
+        if not self.cfg.reach_skip:
+            return 0.0
+        return self.reach_skip(scalars[..., N_SCALARS].T).T
+
     # ------------------------------------------------------------ full pass
     def forward(self, key_mean, scalars, tfeat, layer, head, mask=None, queries=None) -> torch.Tensor:
         """Training / full re-score. key_mean [R, n, d], scalars [R, n, S],
@@ -234,10 +253,12 @@ class ValueEstimator(nn.Module):
             hq = pick(h)
             mask4 = None if mask is None else mask[:, None, None, :]
             a = F.scaled_dot_product_attention(blk.query(hq), k, v, attn_mask=mask4)
-            return self.apply_curve(self.curve(blk.finish(hq, a)), pick(tfeat))
+            skip = self.skip(scalars)
+            skip = skip if isinstance(skip, float) else skip.gather(1, queries)
+            return self.apply_curve(self.curve(blk.finish(hq, a)), pick(tfeat)) + skip
         for blk in self.blocks:
             h = blk(h, *blk.project(h), mask)
-        return self.apply_curve(self.curve(h), tfeat)
+        return self.apply_curve(self.curve(h), tfeat) + self.skip(scalars)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -336,6 +357,11 @@ class LearnedScorer:
         n, L, H, d = km.shape
         return self.model.plan_features(tf, km.permute(1, 2, 0, 3).reshape(L * H, n, d))
 
+    def _skip(self, a: dict) -> torch.Tensor | float:
+        if not self.model.cfg.reach_skip:
+            return 0.0
+        return self.model.skip(block_inputs(a)[1])
+
     def compatible(self, L: int, H: int, d: int) -> bool:
         c = self.model.cfg
         return (c.num_layers, c.num_kv_heads, c.head_dim) == (L, H, d)
@@ -362,7 +388,7 @@ class LearnedScorer:
             ctx = int(self.model.cfg.prev_block and have > 0)
             live.update(*block_inputs(a, have - ctx), gone_rows(a), context=ctx)
             c["n"] = n
-            s = self.model.apply_curve(live.curves(), self._times(a))           # [R, n]
+            s = self.model.apply_curve(live.curves(), self._times(a)) + self._skip(a)   # [R, n]
             return s.view(L, H, n).permute(2, 0, 1).numpy()
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
@@ -383,5 +409,5 @@ class LearnedScorer:
                 c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))
                 h = blk(h, *c["kv"][i])
             c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(h)], 1))
-        s = self.model.apply_curve(c["curve"], self._times(a))               # [R, n]
+        s = self.model.apply_curve(c["curve"], self._times(a)) + self._skip(a)   # [R, n]
         return s.view(L, H, n).permute(2, 0, 1).numpy()

@@ -632,3 +632,64 @@ def test_prev_block_input_starts_as_the_network_it_grows_and_scores_exactly_incr
     assert back.cfg.prev_block
     with torch.no_grad():
         assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
+
+
+def test_reach_skip_starts_as_the_network_it_grows_and_scores_served_as_in_training(tmp_path):
+    """--reach-skip added to a trained reach network scores as that network until
+    its weight moves; then row r's score of a block moves with every row's reach
+    of that same block and no other block's, the scorer over BlockRecords (live,
+    with rows evicting, and not) equals a full pass, subset scoring (a long
+    trace's training step) agrees, and a checkpoint round-trips."""
+    from kvpop.training.train_estimator import with_parts, with_reach
+
+    plain = with_reach(_net(11, cross_rows=True)).eval()
+    grown = with_parts(plain, reach_skip=True).eval()
+    assert grown.cfg.reach_skip and not plain.cfg.reach_skip
+    with pytest.raises(ValueError, match="reach"):
+        ValueEstimator(EstimatorConfig(L, H, D, d_model=16, reach_skip=True))
+    n = 24
+    a = _arrays(n, seed=12)
+    a["reach"] = np.random.default_rng(13).random((n, L, H)).astype(np.float32)
+    layer, head = row_ids(L, H)
+    with torch.no_grad():
+        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        grown.reach_skip.weight.normal_(std=1.0)
+        full = grown(*rows_from_arrays(a), layer, head)
+        base = plain(*rows_from_arrays(a), layer, head)
+        # Only the skip moved: the difference is linear in the reach column of the same block.
+        km, sc, _ = rows_from_arrays(a)
+        want = grown.reach_skip(sc[..., -1].T).T
+        assert torch.allclose(full - base, want, atol=1e-5)
+        b = {k: v.copy() for k, v in a.items()}
+        b["reach"][7, 0, 1] *= 50.0
+        moved = (grown(*rows_from_arrays(b), layer, head) - full).abs() > 1e-6
+        assert moved[:, 7].all() and not moved[:, [i for i in range(n) if i != 7]].any()
+        q = torch.tensor([[0, 3, 7, 20]] * (L * H))
+        assert torch.allclose(grown(*rows_from_arrays(a), layer, head, queries=q), full.gather(1, q), atol=1e-5)
+    grown.cfg.rescore_every = 1
+    rng = np.random.default_rng(14)
+    for live in (True, False):
+        scorer, seq, known = LearnedScorer(grown, live=live), ScoringState().get(f"s{live}"), 0
+        for burst in (5, 1, 7, 2, 9):
+            for i, r in enumerate(_records(a, known, known + burst)):
+                r.reach = a["reach"][known + i]
+                seq.add(r)
+            known += burst
+            if live:
+                names = np.full((L, H, 1), -1, np.int32)
+                held = ~seq.arrays()["gone"]
+                for li in range(L):
+                    for hi in range(H):
+                        cand = seq.arrays()["block"][held[:, li, hi]]
+                        names[li, hi, 0] = rng.choice(cand) if len(cand) > 1 else -1
+                seq.mark_gone(names)
+            got = scorer.score(seq)
+            with torch.no_grad():
+                sub = {k: v[:known] for k, v in a.items()}
+                want = grown(*rows_from_arrays(sub), layer, head).view(L, H, known).permute(2, 0, 1).numpy()
+            held = ~seq.arrays()["gone"] if live else np.ones(got.shape, bool)
+            assert np.abs(got - want)[held].max() < 1e-4, (live, known)
+    back = load(save(grown, tmp_path / "skip.safetensors"))
+    assert back.cfg.reach_skip
+    with torch.no_grad():
+        assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
