@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpop.tasks.suite import test_set  # noqa: E402
+from recall_signals import forward_with_probs  # noqa: E402 - beside this script
 from services.compute.loader import load_model  # noqa: E402
 
 RECENT = 8
@@ -59,24 +60,17 @@ def main() -> None:
             ids = inst.prompt_ids
             T = len(ids)
             mass = {}
+            nb = -(-T // bs)
 
-            def attention(layer, q, k, v):
-                G = q.shape[1] // k.shape[1]
-                kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-                logits = torch.einsum("thd,shd->hts", q.float(), kk.float()) / q.shape[-1] ** 0.5
-                logits.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu(1)[None], float("-inf"))
-                probs = torch.softmax(logits, -1).view(k.shape[1], G, T, T).mean(1)      # [Hkv, T, T]
-                nb = -(-T // bs)
+            def keep(layer, q, k, probs):
+                probs = probs.view(k.shape[1], -1, T, T).mean(1)                             # [Hkv, T, T]
                 mass[layer] = torch.nn.functional.pad(probs, (0, nb * bs - T)).view(k.shape[1], T, nb, bs).sum(-1)
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True).transpose(0, 1)
 
-            lm(torch.tensor(ids), torch.arange(T), attention)
+            forward_with_probs(lm, ids, keep)
             words = ["<s>"] + inst.prompt.split()
             header_end = words.index(".")
             asked_keys = set(words[2:header_end])
             asked_at = [i for i in range(header_end + 1, T) if words[i] in asked_keys]   # the pair's key token
-            nb = -(-T // bs)
             first = header_end // bs + 1                       # blocks wholly after the header
             y = np.zeros(nb, bool)
             y[[i // bs for i in asked_at]] = True

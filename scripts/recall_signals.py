@@ -38,6 +38,23 @@ def ranks(score: torch.Tensor, first: int, targets: list[int]) -> list[int]:
     return [at[t] for t in targets if t in at]
 
 
+def forward_with_probs(lm, ids: list[int], keep) -> None:
+    """Run the prompt once, calling keep(layer, q, k, probs [Hq, T, T]) with each
+    layer's (rotated) queries, keys and exact attention weights."""
+    T = len(ids)
+
+    def attention(layer, q, k, v):
+        G = q.shape[1] // k.shape[1]
+        kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+        logits = torch.einsum("thd,shd->hts", q.float(), kk.float()) / q.shape[-1] ** 0.5
+        logits.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu(1)[None], float("-inf"))
+        keep(layer, q, k, torch.softmax(logits, -1))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True).transpose(0, 1)
+
+    lm(torch.tensor(ids), torch.arange(T), attention)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/default")
@@ -51,20 +68,10 @@ def main() -> None:
         ids = inst.prompt_ids
         T = len(ids)
         cap = {}
-
-        def attention(layer, q, k, v):
-            cos, sin = lm.rotary.tables(q.device, torch.float32)
-            cos, sin = cos[:T, None, :], sin[:T, None, :]
-            unrotate = lambda x: x.float() * cos - x.float().roll(x.shape[-1] // 2, dims=-1) * sin  # noqa: E731
-            G = q.shape[1] // k.shape[1]
-            kk, vv = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
-            logits = torch.einsum("thd,shd->hts", q.float(), kk.float()) / q.shape[-1] ** 0.5
-            logits.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu(1)[None], float("-inf"))
-            cap[layer] = (unrotate(q), unrotate(k), torch.softmax(logits, -1))
-            return torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1), is_causal=True).transpose(0, 1)
-
-        lm(torch.tensor(ids), torch.arange(T), attention)
+        cos, sin = lm.rotary.tables(torch.device("cpu"), torch.float32)
+        cos, sin = cos[:T, None, :], sin[:T, None, :]
+        unrotate = lambda x: x.float() * cos - x.float().roll(x.shape[-1] // 2, dims=-1) * sin  # noqa: E731
+        forward_with_probs(lm, ids, lambda layer, q, k, probs: cap.__setitem__(layer, (unrotate(q), unrotate(k), probs)))
         words = ["<s>"] + inst.prompt.split()
         header_end = words.index(".")
         asked = set(words[2:header_end])

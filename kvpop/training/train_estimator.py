@@ -513,28 +513,22 @@ def run(args) -> int:
         if args.reach and not cfg.reach:
             net = with_reach(net)
             cfg = net.cfg
-        if args.prev_block and not cfg.prev_block:
-            try:
-                net = with_parts(net, prev_block=True)
-            except ValueError as e:
-                print(f"--prev-block: {e}; add --cross-rows")
-                return 2
-            cfg = net.cfg
-        if args.reach_skip and not cfg.reach_skip:
-            try:
-                net = with_parts(net, reach_skip=True)
-            except ValueError as e:
-                print(f"--reach-skip: {e}; add --reach")
-                return 2
-            cfg = net.cfg
+        for part, needs in (("prev_block", "--cross-rows"), ("reach_skip", "--reach")):
+            if getattr(args, part) and not getattr(cfg, part):
+                try:
+                    net = with_parts(net, **{part: True})
+                except ValueError as e:
+                    print(f"--{part.replace('_', '-')}: {e}; add {needs}")
+                    return 2
+                cfg = net.cfg
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
                               cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach,
                               prev_block=args.prev_block, reach_skip=args.reach_skip)
         try:
             net = ValueEstimator(cfg)
-        except ValueError as e:
-            print(f"--prev-block: {e}; add --cross-rows")
+        except ValueError as e:   # a part without the input it reads (prev_block, reach_skip)
+            print(f"train-estimator: {e}")
             return 2
         prior = {}
     del lm
