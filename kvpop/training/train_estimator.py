@@ -73,6 +73,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--depth", type=int, default=1, help="self-attention layers")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--need-weight", type=float, default=0.0, metavar="N",
+                   help="add N x a pairwise loss ranking the blocks the task's answer needs (the traces' "
+                        "depends: a training label, never an input) above the others, in the rows whose "
+                        "target already values them")
     p.add_argument("--pair-weight", type=float, default=1.0, metavar="P",
                    help="weight of the pairwise term beside the listwise one (it orders the tail; with a "
                         "two-valued target, e.g. an answer that is asked or not, it pulls toward the median)")
@@ -147,6 +151,29 @@ def losses(scores, target, gen=None):
 QUERY_SAMPLE = 1024   # blocks per row a training step scores (a long trace's decisions know up to 8k)
 
 
+def needed_blocks(ex: dict, blocks) -> np.ndarray:
+    """Which of ``blocks`` hold a token the trace's answer needs (none without depends)."""
+    deps = ex.get("depends")
+    if deps is None:
+        return np.zeros(len(blocks), bool)
+    return np.isin(blocks, np.unique(np.asarray(deps) // ex["block_size"]))
+
+
+def need_loss(scores, target, needed):
+    """scores, target [R, n], needed [n] bool -> the mean logistic loss of every
+    (needed, other) pair, over the rows whose target puts the needed blocks above
+    its median (a row that never reads them keeps its budget for what it does read)."""
+    import torch.nn.functional as F
+
+    if not needed.any() or needed.all():
+        return scores.new_zeros(())
+    pos, neg = scores[:, needed], scores[:, ~needed]                         # [R, p], [R, q]
+    rows = target[:, needed].mean(1) > target.median(1).values
+    if not rows.any():
+        return scores.new_zeros(())
+    return F.softplus(neg[rows, None, :] - pos[rows, :, None]).mean()
+
+
 def query_sample(target, gen, m: int = QUERY_SAMPLE):
     """[R, m] blocks of each row to score in a training step, or None when the row
     has at most m: the row's top m/8 by target (where the listwise loss's mass
@@ -203,7 +230,7 @@ def _on(device, *xs):
     return [x.to(device, non_blocking=True) for x in xs]
 
 
-def evaluate(model, data: list[dict], pair_weight: float = 1.0) -> dict:
+def evaluate(model, data: list[dict], pair_weight: float = 1.0, need_weight: float = 0.0) -> dict:
     import torch
 
     from services.cache_manager.estimator import row_ids, rows_from_arrays
@@ -222,11 +249,11 @@ def evaluate(model, data: list[dict], pair_weight: float = 1.0) -> dict:
                 s = model(km, sc, tf, layer, head)
                 kl, pair = losses(s, y, torch.Generator(dev).manual_seed(i))
                 total_loss += float(kl + pair_weight * pair)
+                needed = needed_blocks(ex, a["block"])
+                if need_weight:
+                    total_loss += need_weight * float(need_loss(s, y, torch.as_tensor(needed, device=dev)))
                 y = y.cpu()
                 preds = {"learned": s.cpu().numpy(), **baselines(a, now)}
-                deps = ex.get("depends")
-                needed = (np.isin(a["block"], np.unique(deps // ex["block_size"])) if deps is not None
-                          else np.zeros(len(a["block"]), bool))
                 for name, pr in preds.items():
                     m = mass_at_k(pr, y.numpy())
                     acc = sums.setdefault(name, {f: 0.0 for f in KEEP_FRACTIONS})
@@ -309,7 +336,7 @@ def with_reach(net):
 # ------------------------------------------------------------------ training
 def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
           eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None,
-          pair_weight: float = 1.0):
+          pair_weight: float = 1.0, need_weight: float = 0.0):
     """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None).
     Every ``eval_every_s`` the held-out loss is measured on (up to) 8 sequences
     and the best state so far is kept; the model ends in that state (the
@@ -331,7 +358,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     history, ema, step, eval_cost = [], None, 0, 0.0
     probe, best, best_state = val_data[:8], float("inf"), None
     if probe:   # a warm start must beat where it started, not just its own later steps
-        best = evaluate(model, probe, pair_weight)["loss"]
+        best = evaluate(model, probe, pair_weight, need_weight)["loss"]
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
@@ -347,8 +374,17 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         L, H = tgt.shape[:2]
         km, sc, tf, layer, head, y = _on(dev, *rows_from_arrays(a, now), *row_ids(L, H), as_rows(tgt))
         q = query_sample(y, gen) if model.cfg.depth == 1 else None
-        kl, pair = losses(model(km, sc, tf, layer, head, queries=q), y if q is None else y.gather(1, q), gen)
+        s = model(km, sc, tf, layer, head, queries=q)
+        yq = y if q is None else y.gather(1, q)
+        kl, pair = losses(s, yq, gen)
         loss = kl + pair_weight * pair
+        if need_weight:
+            nd = torch.as_tensor(needed_blocks(train_data[e], a["block"]), device=dev)
+            if q is None:
+                loss = loss + need_weight * need_loss(s, yq, nd)
+            else:   # sampled blocks differ per row: one row at a time
+                loss = loss + need_weight * sum(need_loss(s[r:r + 1], yq[r:r + 1], nd[q[r]])
+                                                for r in range(s.shape[0])) / s.shape[0]
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -359,7 +395,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         vl = vm = None
         now_t = time.monotonic()
         if probe and now_t - last_eval >= max(eval_every_s, 3 * eval_cost):
-            ev = evaluate(model, probe, pair_weight)
+            ev = evaluate(model, probe, pair_weight, need_weight)
             eval_cost = time.monotonic() - now_t    # long traces: held-out checks stay a quarter of the time
             vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
             if vl < best:   # NaN never wins
@@ -374,7 +410,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
             bar.refresh()
     bar.close()
     if probe:
-        vl = evaluate(model, probe, pair_weight)["loss"]
+        vl = evaluate(model, probe, pair_weight, need_weight)["loss"]
         if best_state is not None and not vl <= best:   # worse, or diverged to NaN
             model.load_state_dict(best_state)
             print(f"kept the held-out best (loss {best:.4f} < final {vl:.4f})")
@@ -537,13 +573,14 @@ def run(args) -> int:
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
     history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0,
-                    pair_weight=args.pair_weight)
-    ev = evaluate(net, val_data, args.pair_weight)
+                    pair_weight=args.pair_weight, need_weight=args.need_weight)
+    ev = evaluate(net, val_data, args.pair_weight, args.need_weight)
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
                    "prefill_chunk": args.prefill_chunk,
-                   "answer_weight": args.answer_weight, "pair_weight": args.pair_weight, "cross_rows": cfg.cross_rows,
+                   "answer_weight": args.answer_weight, "pair_weight": args.pair_weight,
+                   "need_weight": args.need_weight, "cross_rows": cfg.cross_rows,
                    "key_diff": cfg.key_diff, "reach": cfg.reach, "prev_block": cfg.prev_block,
                    "reach_skip": cfg.reach_skip,
                    "families": args.families,

@@ -693,3 +693,28 @@ def test_reach_skip_starts_as_the_network_it_grows_and_scores_served_as_in_train
     assert back.cfg.reach_skip
     with torch.no_grad():
         assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
+
+
+def test_need_loss_ranks_needed_blocks_up_only_in_rows_that_read_them():
+    """--need-weight: the loss is small when a row scores its needed blocks far above
+    the rest, large when below, zero for rows whose target does not value them (or
+    when nothing or everything is needed); its gradient raises the needed blocks."""
+    from kvpop.training.train_estimator import need_loss, needed_blocks
+
+    needed = torch.tensor([False, True, False, False, True, False])
+    target = torch.tensor([[0.1, 0.5, 0.1, 0.0, 0.3, 0.0],      # reads the needed blocks
+                           [0.4, 0.0, 0.3, 0.3, 0.0, 0.0]])     # does not
+    high = torch.tensor([[0.0, 9.0, 0.0, 0.0, 9.0, 0.0], [0.0] * 6])
+    low = torch.tensor([[0.0, -9.0, 0.0, 0.0, -9.0, 0.0], [0.0] * 6])
+    assert need_loss(high, target, needed) < 1e-3 < 8.0 < need_loss(low, target, needed)
+    # The second row does not count: moving its scores changes nothing.
+    assert torch.equal(need_loss(low, target, needed), need_loss(low + torch.tensor([[0.0] * 6, [5.0] * 6]), target, needed))
+    assert float(need_loss(low, target[1:].expand(2, -1), needed)) == 0.0
+    assert float(need_loss(low, target, torch.zeros(6, dtype=torch.bool))) == 0.0
+    assert float(need_loss(low, target, torch.ones(6, dtype=torch.bool))) == 0.0
+    s = torch.zeros(2, 6, requires_grad=True)
+    need_loss(s, target, needed).backward()
+    assert (s.grad[0, needed] < 0).all() and (s.grad[0, ~needed] > 0).all() and (s.grad[1] == 0).all()
+    ex = {"depends": np.array([3, 17, 18]), "block_size": 16}
+    assert needed_blocks(ex, np.array([0, 1, 2])).tolist() == [True, True, False]
+    assert not needed_blocks({"block_size": 16}, np.array([0, 1])).any()
