@@ -77,7 +77,8 @@ class EstimatorConfig:
     # Each row's score also gets a linear term of every row's reach for the same block:
     # at block size 16 the two layer-1 rows' reach alone ranks a recall question's pairs
     # above the network itself (AUC 0.80 against 0.70; docs/estimator.md, "Block size
-    # 16 and recall"). A direct path the optimiser finds at once. Needs reach.
+    # 16 and recall"). Tried: the weights stayed small and the network's ranking did not
+    # move (the loss, not the input, is the limit); no shipped checkpoint sets it. Needs reach.
     reach_skip: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
