@@ -9,7 +9,7 @@ command -v "$PY" >/dev/null || PY=python3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PY" -m venv "$tmp/venv"
-echo "resolving into $tmp/venv (log: $tmp/venv/lock.log)" >&2
+echo "resolving into $tmp/venv (log: $tmp/lock.log, shown on failure)" >&2
 {
   "$tmp/venv/bin/python" -m pip install -q --upgrade pip &&
   "$tmp/venv/bin/python" -m pip install -q torch==2.13.0 &&

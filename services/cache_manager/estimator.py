@@ -91,6 +91,11 @@ class EstimatorConfig:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+def reach_feature(reach: torch.Tensor) -> torch.Tensor:
+    """The reach column of ``scalar_features`` (what a network with ``reach`` reads)."""
+    return torch.log(reach.clamp_min(0) + 1e-4) / 4
+
+
 def scalar_features(position, age, attention, value_norm, key_mean, block, reach=None) -> torch.Tensor:
     """[..., N_SCALARS + 1] from per-block arrays (any leading shape, broadcast):
     position/age/block [...], attention/value_norm/reach [...], key_mean [..., d]. Logs
@@ -108,7 +113,7 @@ def scalar_features(position, age, attention, value_norm, key_mean, block, reach
         torch.log(value_norm.clamp_min(0) + 1e-4) / 4,
         torch.log(torch.linalg.vector_norm(key_mean, dim=-1) + 1e-4) / 4,
         torch.log1p(position) - torch.log1p(block),        # ~ log block size
-        torch.log(reach.clamp_min(0) + 1e-4) / 4,
+        reach_feature(reach),
     ], -1)
 
 
@@ -228,12 +233,10 @@ class ValueEstimator(nn.Module):
         kd = key_diff(key_mean)
         return torch.cat([tfeat.expand(kd.shape[0], -1, -1), kd], -1)
 
-    def skip(self, scalars: torch.Tensor) -> torch.Tensor | float:
-        """scalars [R, n, S] of every row of one sequence -> [R, n]: the reach skip
-        (0 without it). Per block, so it needs no cache to stay exact."""
-        if not self.cfg.reach_skip:
-            return 0.0
-        return self.reach_skip(scalars[..., N_SCALARS].T).T
+    def skip(self, reach: torch.Tensor) -> torch.Tensor:
+        """The reach column [R, n] of every row of one sequence -> [R, n] added to the
+        scores (reach_skip networks). Per block, so it needs no cache to stay exact."""
+        return self.reach_skip(reach.T).T
 
     # ------------------------------------------------------------ full pass
     def forward(self, key_mean, scalars, tfeat, layer, head, mask=None, queries=None) -> torch.Tensor:
@@ -254,12 +257,15 @@ class ValueEstimator(nn.Module):
             hq = pick(h)
             mask4 = None if mask is None else mask[:, None, None, :]
             a = F.scaled_dot_product_attention(blk.query(hq), k, v, attn_mask=mask4)
-            skip = self.skip(scalars)
-            skip = skip if isinstance(skip, float) else skip.gather(1, queries)
-            return self.apply_curve(self.curve(blk.finish(hq, a)), pick(tfeat)) + skip
-        for blk in self.blocks:
-            h = blk(h, *blk.project(h), mask)
-        return self.apply_curve(self.curve(h), tfeat) + self.skip(scalars)
+            score = self.apply_curve(self.curve(blk.finish(hq, a)), pick(tfeat))
+        else:
+            for blk in self.blocks:
+                h = blk(h, *blk.project(h), mask)
+            score = self.apply_curve(self.curve(h), tfeat)
+        if self.cfg.reach_skip:
+            skip = self.skip(scalars[..., N_SCALARS])
+            score = score + (skip if queries is None else skip.gather(1, queries))
+        return score
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -359,9 +365,13 @@ class LearnedScorer:
         return self.model.plan_features(tf, km.permute(1, 2, 0, 3).reshape(L * H, n, d))
 
     def _skip(self, a: dict) -> torch.Tensor | float:
+        """The reach skip of every known block, from its reach alone: no other feature
+        is recomputed on the scoring stream."""
         if not self.model.cfg.reach_skip:
             return 0.0
-        return self.model.skip(block_inputs(a)[1])
+        n, L, H = np.shape(a["attention"])
+        reach = torch.as_tensor(np.asarray(a["reach"]), dtype=torch.float32) if "reach" in a else torch.zeros(n, L, H)
+        return self.model.skip(reach_feature(reach.permute(1, 2, 0).reshape(L * H, n)))
 
     def compatible(self, L: int, H: int, d: int) -> bool:
         c = self.model.cfg

@@ -11,7 +11,7 @@ from kvpop import protogen
 # it; the floors test below keeps the stamp honest instead.
 _GRPC_STAMP = re.compile(r"^GRPC_GENERATED_VERSION = '([\d.]+)'$", re.M)
 _PB_STAMP = re.compile(r"^# Protobuf Python Version: ([\d.]+)$", re.M)
-_PB_CHECK = re.compile(r"(ValidateProtobufRuntimeVersion\(\n\s+_runtime_version\.Domain\.PUBLIC,\n)\s+\d+,\n\s+\d+,\n\s+\d+,\n")
+_PB_CHECK = re.compile(r"(ValidateProtobufRuntimeVersion\(\n\s+_runtime_version\.Domain\.PUBLIC,\n)\s+(\d+),\n\s+(\d+),\n\s+(\d+),\n")
 
 
 def _unstamped(text: str) -> str:
@@ -53,8 +53,7 @@ def test_dependency_floors_admit_no_runtime_the_stubs_refuse():
     floors = dict(m.groups() for d in deps if (m := re.fullmatch(r"([\w-]+)>=([\d.]+)", d)))
     committed = _committed()
     grpc_needs = {_version(m) for t in committed.values() for m in _GRPC_STAMP.findall(t)}
-    pb_needs = {_version(".".join(m)) for t in committed.values()
-                for m in re.findall(r"_runtime_version\.Domain\.PUBLIC,\n\s+(\d+),\n\s+(\d+),\n\s+(\d+),", t)}
+    pb_needs = {tuple(int(x) for x in m.groups()[1:]) for t in committed.values() for m in _PB_CHECK.finditer(t)}
     assert grpc_needs and pb_needs
     assert _version(floors["grpcio"]) >= max(grpc_needs), "raise pyproject's grpcio floor to the stubs' stamp"
     assert _version(floors["grpcio-tools"]) >= max(grpc_needs)
