@@ -55,3 +55,9 @@ def eviction_select(scores, evictable, num_evict: int):
 
 def block_features(k_pages, v_pages, pages):
     return _impl(k_pages).block_features(k_pages, v_pages, pages)
+
+
+def move_blocks(k_blocks, v_blocks, src, dst):
+    """Compaction: block ``src[i]`` to ``dst[i]`` (all read before any is written)."""
+    impl = _impl(k_blocks)
+    return getattr(impl, "move_blocks", reference.move_blocks)(k_blocks, v_blocks, src, dst)

@@ -105,3 +105,13 @@ def block_features(k_pages: torch.Tensor, v_pages: torch.Tensor, pages: torch.Te
     k = k_pages[idx].to(torch.float32)  # [N, bs, d]
     v = v_pages[idx].to(torch.float32)
     return k.mean(dim=1), torch.linalg.vector_norm(v, dim=-1).mean(dim=1)
+
+
+def move_blocks(k_blocks: torch.Tensor, v_blocks: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy block ``src[i]`` to block ``dst[i]`` in place, as if every source
+    were read before any destination is written (a compaction's sources and
+    destinations overlap)."""
+    s = src.to(device=k_blocks.device, dtype=torch.long)
+    d = dst.to(device=k_blocks.device, dtype=torch.long)
+    k_blocks.index_copy_(0, d, k_blocks.index_select(0, s))
+    v_blocks.index_copy_(0, d, v_blocks.index_select(0, s))

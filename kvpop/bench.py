@@ -269,14 +269,15 @@ def bench_engine(args) -> dict:
         rows.append(row)
 
     # KV bytes per sequence at the budget vs dense: the same prompts, the pool's accounting.
-    page = KVPool.page_bytes(engine.pool.block_size, engine.model.config.head_dim, engine.model.dtype)
+    page = KVPool.page_bytes(engine.pool.page_size, engine.model.config.head_dim, engine.model.dtype)
+    block = KVPool.page_bytes(engine.config.block_size, engine.model.config.head_dim, engine.model.dtype)
     budget = args.kv_budget if args.kv_budget <= 1 else int(args.kv_budget)
     kv, long_prompts = {}, prompts_for(4, args.kv_prompt_len, _vocab(args.model), args.seed + 1)
     for name, ev in (("dense", None), (args.policy, EvictionParams(args.policy, budget))):
         eng = make_engine(args, len(long_prompts), max(map(len, long_prompts)) + args.new_tokens)
         res = engine_decode(eng, long_prompts, args.new_tokens, ev, tag=name)
         resident = [u.kv_blocks_resident for u in res["usage"]]
-        kv[name] = {"bytes_per_seq_at_finish": statistics.mean(resident) * page,
+        kv[name] = {"bytes_per_seq_at_finish": statistics.mean(resident) * block,
                     "peak_bytes_per_seq": res["peak_pages"] * page / len(long_prompts),
                     "evicted_blocks": sum(u.kv_blocks_evicted for u in res["usage"])}
     if hf is not None:

@@ -171,7 +171,7 @@ def check_invariants(engine):
     if running:
         # Prefill overshoot of all budgeted sequences together fits the shared headroom,
         # so the pages held never exceed what admission reserved.
-        assert sum(sch.headroom_used(s) for s in running) <= sch.headroom_blocks(running[0].block_size)
+        assert sum(sch.headroom_used(s) for s in running) <= sch.headroom_pages(running[0])
         assert sum(s.page_table.numel() for s in running) <= sch.reserved()
     pages = torch.cat(held) if held else torch.empty(0, dtype=torch.int32)
     assert pages.numel() == pages.unique().numel(), "a page is held twice"

@@ -27,12 +27,12 @@ def update_features(seqs: list[Sequence], pool: KVPool) -> None:
             seq.feat_upto = full
     if not todo:
         return
-    pages = [seq.page_table[:, :, a:a + k] for seq, a, k in todo]                # [L, Hkv, k] each
+    pages = [seq.block_address(slice(a, a + k)) for seq, a, k in todo]          # [L, Hkv, k] each
     flat = torch.cat([p.reshape(-1) for p in pages]) if len(pages) > 1 else pages[0].reshape(-1)
-    km, vn = ops.block_features(pool.k_pages, pool.v_pages, flat)
+    km, vn = ops.block_features(*pool.blocks_view(todo[0][0].block_size), flat)
     sizes = [p.numel() for p in pages]
     for (seq, a, k), m, v in zip(todo, km.split(sizes), vn.split(sizes)):
-        L, H = seq.page_table.shape[:2]
+        L, H = seq.num_layers, seq.num_kv_heads
         seq.key_mean[:, :, a:a + k] = m.view(L, H, k, -1)
         seq.value_norm[:, :, a:a + k] = v.view(L, H, k)
 

@@ -47,7 +47,8 @@ class EngineConfig:
     model_dir: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int = 1                   # positions per block: the unit of eviction (1: token level)
+    page_size: int = 16                   # positions per page: the unit of memory (a multiple of block_size)
     num_pages: int | None = None          # None: from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30         # used when num_pages is None
     max_num_seqs: int = 64
@@ -121,14 +122,18 @@ class LLMEngine:
                               else min(config.max_model_len, mc.max_position_embeddings))
         # Off CPU the RoPE tables cannot grow on demand without a sync per step.
         model.rotary.reserve(self.max_model_len)
+        if config.block_size < 1 or config.page_size < 1:
+            raise ValueError(f"block_size ({config.block_size}) and page_size ({config.page_size}) must be >= 1")
+        # A page holds whole blocks: the page size rounds down to a multiple of the block size (at least one).
+        self.page_size = page = config.block_size * max(1, config.page_size // config.block_size)
         if config.num_pages is not None:
-            self.pool = KVPool(config.num_pages, config.block_size, mc.head_dim, model.dtype, model.device)
+            self.pool = KVPool(config.num_pages, page, mc.head_dim, model.dtype, model.device)
         else:
-            dense = (math.ceil(self.max_model_len / config.block_size) * mc.num_layers
+            dense = (math.ceil(self.max_model_len / page) * mc.num_layers
                      * mc.num_kv_heads * config.max_num_seqs + 1)
-            pages = min(dense, config.kv_cache_bytes // KVPool.page_bytes(config.block_size, mc.head_dim, model.dtype))
-            self.pool = KVPool(pages, config.block_size, mc.head_dim, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.pool)
+            pages = min(dense, config.kv_cache_bytes // KVPool.page_bytes(page, mc.head_dim, model.dtype))
+            self.pool = KVPool(pages, page, mc.head_dim, model.dtype, model.device)
+        self.runner = ModelRunner(model, self.pool, config.block_size)
         self.scheduler = Scheduler(self.pool, mc.num_layers * mc.num_kv_heads, config.max_num_seqs,
                                    config.prefill_chunk, config.cleanup_threshold, mc.sliding_window,
                                    config.prefill_headroom_chunks)
@@ -178,7 +183,7 @@ class LLMEngine:
                                  max_tokens=sampling.max_tokens, plan_slack_blocks=c.plan_slack_blocks,
                                  cleanup_floor=c.cleanup_floor)
         seq = Sequence(request_id, prompt, sampling, state, mc.num_layers, mc.num_kv_heads,
-                       mc.head_dim, c.block_size, self.model.device)
+                       mc.head_dim, c.block_size, self.model.device, self.page_size // c.block_size)
         seq.policy = get_policy(c.fallback_policy if state.policy == LEARNED else state.policy)
         seq.generator = make_generator(sampling, self.model.device)
         if self.tokenizer is not None:
@@ -253,13 +258,13 @@ class LLMEngine:
                         raise ValueError("a text prompt needs a tokenizer")
                     p = self.tokenizer.encode(p)
                 ids = list(p)[:self.max_model_len - 1]
-                n = len(ids) // self.config.block_size * self.config.block_size
+                n = len(ids) // self.page_size * self.page_size
                 if n == 0:
                     continue
                 # A budget above the prompt: the statistics path runs, nothing is evicted.
                 try:
                     seq = self.make_sequence(f"\x00prewarm-{next(self._ids)}", ids[:n], SamplingParams(max_tokens=1),
-                                             EvictionParams("h2o", budget=n + 2 * self.config.block_size,
+                                             EvictionParams("h2o", budget=n + 2 * self.page_size,
                                                             sink=0, recent=0))
                     seq.prewarm = True
                     self.add_sequence(seq)
@@ -322,7 +327,7 @@ class LLMEngine:
                     drop_outside_window(seq, self.pool, window)
         for seq in sampled:
             if seq.prewarm and len(seq.output_ids) == 0:
-                self.prefix_cache.insert(seq, seq.num_prompt // seq.block_size, self.scheduler.room(), True)
+                self.prefix_cache.insert(seq, seq.num_prompt // self.page_size, self.scheduler.room(), True)
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(t for s, t in batch if s.num_cached <= s.num_prompt)
         if sampled:
@@ -362,7 +367,7 @@ class LLMEngine:
             plan = usable_plan(seq) if seq.eviction.policy == LEARNED else None
             eviction_round(seq, self.pool, plan, "" if plan is not None else NO_PLAN)
         ev = seq.evictions
-        usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.page_table.numel(),
+        usage = Usage(seq.num_prompt - seq.session_base, len(seq.output_ids), seq.block_index.numel(),
                       seq.evicted_blocks, seq.eviction.policy, seq.fallback_evictions, seq.session_base,
                       network_evictions=ev[(NETWORK, "")], advisor_heuristic_evictions=ev[("advisor_heuristic", "")],
                       fallback_reasons={r: n for (src, r), n in ev.items() if src == FALLBACK},

@@ -3,7 +3,10 @@
 Protection is decided here, once, for every policy: sink blocks, blocks that
 overlap the ``recent`` window and the newest (possibly partial) block are never
 evicted. A round frees the same number of blocks in every (layer, kv-head) row
-(which ones is per row) and compacts rows keeping block order.
+(which ones is per row) and compacts rows keeping block order. When a page
+holds several blocks, compaction moves each survivor's K/V down to its new
+column (only those behind the row's first hole move) and frees the pages the
+row no longer fills: a row of ``n`` blocks always holds ``ceil(n / c)`` pages.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvkernels import ops
 from services.compute.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
 from services.compute.kv_pool import KVPool
 from services.compute.policies import LEARNED
@@ -126,7 +130,6 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     if bool(protected.gather(2, chosen).any()):
         raise ValueError(f"an eviction round asks more blocks than a row has evictable "
                          f"({', '.join(f'{r.seq.request_id}: {r.num_evict}' for r in rounds)})")
-    pool.free(cat([s.page_table for s in seqs]).gather(2, chosen))
     ks = [r.num_evict for r in rounds]
     unnamed = (~torch.isfinite(rank.gather(2, chosen))).sum((0, 1))
     unranked = torch.zeros(len(rounds), dtype=torch.long, device=dev).index_add_(0, _segments(ks, dev), unnamed)
@@ -135,7 +138,9 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
     # Compact: every row keeps its other columns in order, each sequence's still side by side.
     drop = torch.zeros(L, H, N, dtype=torch.bool, device=dev).scatter_(2, chosen, True)
     keep = torch.arange(N, device=dev).expand(L, H, N)[~drop].view(L, H, N - sum(ks))
-    keep_columns(seqs, keep, [n - k for n, k in zip(sizes, ks)])
+    left = [n - k for n, k in zip(sizes, ks)]
+    compact_pages(seqs, keep, left, chosen, pool)
+    keep_columns(seqs, keep, left)
     for r, k, u, g in zip(rounds, ks, unranked, gone):
         seq = r.seq
         if seq.eviction.policy == LEARNED:
@@ -148,6 +153,37 @@ def evict_rounds(rounds: list[Round], pool: KVPool) -> None:
         else:
             seq.count_evictions(LOCAL, "", R * k)
         seq.eviction_rounds += 1
+
+
+def compact_pages(seqs: list[Sequence], keep: torch.Tensor, left: list[int], chosen: torch.Tensor,
+                  pool: KVPool) -> None:
+    """The pages' side of a round: ``keep`` / ``chosen`` index the sequences'
+    columns side by side (each ``left`` kept, ascending). One block per page:
+    the chosen blocks' pages go and the tables follow the kept columns.
+    Several: survivors move to their new columns, emptied pages go."""
+    cat = lambda ts: torch.cat(ts, 2) if len(ts) > 1 else ts[0]
+    c = seqs[0].page_blocks
+    if c == 1:
+        tables = cat([s.page_table for s in seqs])
+        pool.free(tables.gather(2, chosen))
+        for s, t in zip(seqs, tables.gather(2, keep).split(left, 2)):
+            s.page_table = t
+        return
+    starts = itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0)
+    src, dst, gone = [], [], []
+    for s, k, start in zip(seqs, keep.split(left, 2), starts):
+        col = k - start                                                      # [L, Hkv, K] old columns
+        new = torch.arange(col.shape[2], device=col.device).expand_as(col)
+        src.append(s.page_table.gather(2, col // c) * c + col % c)
+        dst.append(s.page_table.gather(2, new // c) * c + new % c)
+        n = s.pages_for(col.shape[2])
+        gone.append(s.page_table[:, :, n:].reshape(-1))
+        s.page_table = s.page_table[:, :, :n]
+    src, dst = torch.cat([t.reshape(-1) for t in src]), torch.cat([t.reshape(-1) for t in dst])
+    moved = src != dst
+    k_blocks, v_blocks = pool.blocks_view(seqs[0].block_size)
+    ops.move_blocks(k_blocks, v_blocks, src[moved], dst[moved])
+    pool.free(torch.cat(gone))
 
 
 def overshoot(seq: Sequence) -> int:
@@ -201,10 +237,13 @@ def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
         return
     first = int(seq.block_index[0, 0, 0])
     dead = min(seq.num_blocks - 1, (seq.num_cached - window + 1) // seq.block_size - first)
-    if dead > 0:
-        pool.free(seq.page_table[:, :, :dead])
-        L, H, NB = seq.page_table.shape
-        seq.keep_columns(torch.arange(dead, NB, device=seq.page_table.device).expand(L, H, NB - dead))
+    dead_pages = dead // seq.page_blocks    # whole leading pages only: the packing holds
+    if dead_pages > 0:
+        pool.free(seq.page_table[:, :, :dead_pages])
+        seq.page_table = seq.page_table[:, :, dead_pages:]
+        L, H, NB = seq.block_index.shape
+        dead = dead_pages * seq.page_blocks
+        seq.keep_columns(torch.arange(dead, NB, device=seq.block_index.device).expand(L, H, NB - dead))
 
 
 def shrink_budget(seq: Sequence, pool: KVPool, to: int) -> None:

@@ -1,7 +1,8 @@
 """The paged KV pool: one preallocated K and V tensor for the whole model.
 
-A page holds one block (``block_size`` positions) of one (layer, kv-head) of one
-sequence. Keys are stored post-RoPE, so any freed page can be reused by any
+A page holds ``page_size`` consecutive resident positions of one (layer,
+kv-head) of one sequence: one block, or several when eviction is finer than
+paging (sequence.py). Keys are stored post-RoPE, so any freed page can be reused by any
 sequence at any position. Page 0 is never handed out: page tables pad with it
 and gathers from it are harmless.
 
@@ -20,30 +21,30 @@ class OutOfPages(RuntimeError):
 
 
 class KVPool:
-    def __init__(self, num_pages: int, block_size: int, head_dim: int,
+    def __init__(self, num_pages: int, page_size: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         self.num_pages = num_pages
-        self.block_size = block_size
+        self.page_size = page_size
         self.head_dim = head_dim
         # zeros, not empty: padding slots are masked, but 0 * NaN would still poison outputs.
-        self.k_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(num_pages, block_size, head_dim, dtype=dtype, device=device)
+        self.k_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=device)
         # A stack: recently freed pages are handed out first (warm in cache).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self.refs = torch.zeros(num_pages, dtype=torch.int32)   # host side: bookkeeping only
         self.peak_used = 0
 
     @staticmethod
-    def page_bytes(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * block_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    def page_bytes(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
-    def from_memory(cls, memory_bytes: int, block_size: int, head_dim: int,
+    def from_memory(cls, memory_bytes: int, page_size: int, head_dim: int,
                     dtype: torch.dtype = torch.float32, device="cpu") -> "KVPool":
-        return cls(max(2, memory_bytes // cls.page_bytes(block_size, head_dim, dtype)),
-                   block_size, head_dim, dtype, device)
+        return cls(max(2, memory_bytes // cls.page_bytes(page_size, head_dim, dtype)),
+                   page_size, head_dim, dtype, device)
 
     @property
     def capacity(self) -> int:
@@ -76,6 +77,14 @@ class KVPool:
         """One more reference to each (distinct, allocated) page."""
         if pages.numel():
             self.refs[pages.reshape(-1).long().cpu()] += 1
+
+    def blocks_view(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[num_pages * page_size / block_size, block_size, d]``:
+        block ``j`` of a row lives at ``page_table[j // c] * c + j % c`` (``c``
+        blocks per page), so every per-block kernel runs on this view unchanged."""
+        c = self.page_size // block_size
+        return (self.k_pages.view(self.num_pages * c, block_size, -1),
+                self.v_pages.view(self.num_pages * c, block_size, -1))
 
     def free(self, pages: torch.Tensor) -> None:
         """Drop one reference per occurrence of each page (a page shared by

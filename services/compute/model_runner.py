@@ -11,7 +11,8 @@ then attends over resident pages only:
 - Mistral's sliding window masks keys older than ``window`` positions, from
   each slot's absolute position, at decode (torch path) and prefill;
 - prefill chunks attend over their resident pages + themselves with a causal
-  mask from absolute slot positions (``block_index * bs + offset``); for
+  mask from absolute slot positions (``block_index * bs + offset``, in the
+  packed order of sequence.py; a page's unused tail is masked); for
   evicting sequences the probabilities (chunk x resident, never the whole
   prompt) also give the block mass; dense ones use the fused SDPA kernel.
 """
@@ -33,7 +34,7 @@ class _Prefill:
     seq: Sequence
     start: int          # first row in the flat batch
     length: int
-    slot_pos: torch.Tensor  # [L, Hkv, NB*bs] absolute position of every resident slot
+    slot_pos: torch.Tensor  # [L, Hkv, NP*page] absolute position of every page slot (unused: past every query)
     q_pos: torch.Tensor     # [t]
     acc: list = None
     last: list = None
@@ -45,11 +46,12 @@ class _Prefill:
 @dataclass
 class _Decode:
     rows: torch.Tensor      # [B] rows of the decode tokens in the flat batch
-    tables: torch.Tensor    # [L, B, Hkv, NB] int32 page tables, padded with page 0
+    tables: torch.Tensor    # [L, B, Hkv, NP] int32 page tables, padded with page 0
     stats: bool             # some sequence evicts: block mass is needed
     kernel: bool            # ops.paged_attention (CUDA); else the torch path below
-    nblk: torch.Tensor = None
-    last_len: torch.Tensor = None
+    nblk: torch.Tensor = None      # kernel: pages per sequence
+    last_len: torch.Tensor = None  # kernel: written slots of the last page
+    nbmax: int = 0                 # most resident blocks (columns) of a sequence
     index: torch.Tensor = None     # tables as int64 (gather index)
     visible: torch.Tensor = None   # [L, B, Hkv, 1, S] bool
     length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
@@ -75,13 +77,29 @@ def stack_columns(ts: list[torch.Tensor], width: int, fill: int) -> torch.Tensor
     return out.masked_fill(~valid, fill).transpose(1, 2).contiguous()
 
 
+def slot_positions(block_index: torch.Tensor, bs: int, slots: int) -> torch.Tensor:
+    """[..., NB] block numbers -> [..., slots] absolute position of every page
+    slot in packed order; slots past the resident blocks get a position past
+    every query (masked as the future)."""
+    pos = (block_index.long()[..., None] * bs + torch.arange(bs, device=block_index.device)).flatten(-2)
+    if pos.shape[-1] < slots:
+        pos = torch.cat([pos, pos.new_full(pos.shape[:-1] + (slots - pos.shape[-1],), 1 << 40)], -1)
+    return pos
+
+
 class ModelRunner:
-    def __init__(self, model, pool: KVPool):
+    def __init__(self, model, pool: KVPool, block_size: int | None = None):
         cfg = model.config
         self.model, self.pool = model, pool
         self.L, self.Hq, self.Hkv, self.d = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.G = self.Hq // self.Hkv
-        self.bs = pool.block_size
+        self.bs = pool.page_size if block_size is None else block_size     # eviction unit
+        self.page = pool.page_size                                          # memory unit
+        if self.page % self.bs:
+            raise ValueError(f"page size {self.page} is not a multiple of block size {self.bs}")
+        self.c = self.page // self.bs                                       # blocks per page
+        # Per-block writes and summaries address blocks in this view of the pool (KVPool.blocks_view).
+        self.k_blocks, self.v_blocks = pool.blocks_view(self.bs)
         self.scale = 1.0 / math.sqrt(self.d)
         self.device = model.device
         self.window = cfg.sliding_window
@@ -92,19 +110,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------ pages
     def _grow(self, batch: list[tuple[Sequence, int]]) -> None:
-        """Open the blocks this step's tokens need, every sequence's at once."""
+        """Open the blocks (and the pages they need) this step's tokens need,
+        every sequence's at once."""
         grow = []
         for seq, t in batch:
             have = math.ceil(seq.num_cached / self.bs)
             need = math.ceil((seq.num_cached + t) / self.bs)
             if need > have:
-                grow.append((seq, need - have, have))
+                new_pages = seq.pages_for(seq.num_blocks + need - have) - seq.num_row_pages
+                grow.append((seq, need - have, have, new_pages))
         if not grow:
             return
         rows = self.L * self.Hkv
-        pages = self.pool.alloc(rows * sum(k for _, k, _ in grow)).split([rows * k for _, k, _ in grow])
-        append_blocks([s for s, _, _ in grow], [p.view(self.L, self.Hkv, k) for p, (_, k, _) in zip(pages, grow)],
-                      [have for _, _, have in grow])
+        pages = self.pool.alloc(rows * sum(p for *_, p in grow)).split([rows * p for *_, p in grow])
+        append_blocks([g[0] for g in grow], [p.view(self.L, self.Hkv, g[3]) for p, g in zip(pages, grow)],
+                      [g[2] for g in grow], [g[1] for g in grow])
+
 
     # ------------------------------------------------------------ step
     @torch.no_grad()
@@ -112,7 +133,7 @@ class ModelRunner:
         """Feed ``t`` new tokens of each sequence. Returns logits [S, V] for
         the sequences whose tokens are now all cached (they need a next token)."""
         bs, dev = self.bs, self.device
-        ids, pos, write_pages, last_rows, sampled = [], [], [], [], []
+        ids, pos, write_pages, write_slots, last_rows, sampled = [], [], [], [], [], []
         decode, prefill = [], []
         self._grow(batch)
         for seq, t in batch:
@@ -121,13 +142,19 @@ class ModelRunner:
             ids.extend(seq.tokens[n0:n1])
             pos.extend(range(n0, n1))
             # New tokens live in the trailing columns, identical in every row.
+            # Pages come as views (no launch per decoding sequence); the slot within the page from the host.
+            c = self.c
             if t == 1:
                 decode.append((seq, row))
-                write_pages.append(seq.page_table[:, :, -1:])
+                col = seq.num_blocks - 1
+                write_pages.append(seq.page_table[:, :, col // c:col // c + 1])
+                write_slots.append(col % c)
             else:
                 first = seq.num_blocks - 1 - ((n1 - 1) // bs - n0 // bs)
-                write_pages.append(seq.page_table[:, :, [first + p // bs - n0 // bs for p in range(n0, n1)]])
-                slot = (seq.block_index.long()[..., None] * bs + torch.arange(bs, device=dev)).flatten(2)
+                cols = [first + p // bs - n0 // bs for p in range(n0, n1)]
+                write_pages.append(seq.page_table[:, :, [col // c for col in cols]])
+                write_slots.extend(col % c for col in cols)
+                slot = slot_positions(seq.block_index, bs, seq.num_row_pages * self.page)
                 prefill.append(_Prefill(seq, row, t, slot, torch.arange(n0, n1, device=dev), [], [], [], n0 == 0, []))
             if n1 == seq.num_tokens:
                 last_rows.append(len(ids) - 1)
@@ -136,6 +163,8 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         # int64 once per step: the reference kv_append would convert in every layer.
         write_pages = torch.cat(write_pages, 2).permute(0, 2, 1).long()        # [L, T, Hkv]
+        if self.c > 1:   # the block's address in the pool's blocks view
+            write_pages = write_pages * self.c + torch.tensor(write_slots, device=dev).view(1, -1, 1)
         offsets = (positions % bs).repeat_interleave(self.Hkv)
 
         dec = self._decode_meta(decode)
@@ -143,7 +172,7 @@ class ModelRunner:
 
         def attention(layer, q, k, v):
             T = q.shape[0]
-            ops.kv_append(self.pool.k_pages, self.pool.v_pages, k.reshape(T * self.Hkv, self.d),
+            ops.kv_append(self.k_blocks, self.v_blocks, k.reshape(T * self.Hkv, self.d),
                           v.reshape(T * self.Hkv, self.d), write_pages[layer].reshape(-1), offsets)
             out = torch.empty_like(q)
             if decode:
@@ -204,26 +233,29 @@ class ModelRunner:
             return None
         B, bs, dev = len(decode), self.bs, self.device
         nbmax = max(s.num_blocks for s, _ in decode)
+        npmax = max(s.num_row_pages for s, _ in decode)
         stats = any(s.eviction.budget_blocks is not None for s, _ in decode)
         # The new token is written before attention, so it counts too.
         cur = [s.num_cached for s, _ in decode]
         windowed = self.window is not None and max(cur) >= self.window
-        kernel = self.fused and not windowed   # the CUDA kernel has no window
+        # The CUDA kernel has no window, and its mass is per page: per block only when a page is one block.
+        kernel = self.fused and not windowed and (self.c == 1 or not stats)
         # Padding names page 0 at a block number past every query (so the torch path masks it).
         seqs = [s for s, _ in decode]
-        tables = stack_columns([s.page_table for s in seqs], nbmax, 0)              # [L, B, Hkv, NB]
+        tables = stack_columns([s.page_table for s in seqs], npmax, 0)              # [L, B, Hkv, NP]
         bidx = None if kernel else stack_columns([s.block_index for s in seqs], nbmax, 1 << 30).long()
-        meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel)
+        meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel, nbmax=nbmax)
         if kernel:
-            meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)
-            meta.last_len = torch.tensor([c % bs + 1 for c in cur], dtype=torch.int32, device=dev)
+            meta.nblk = torch.tensor([s.num_row_pages for s, _ in decode], dtype=torch.int32, device=dev)
+            meta.last_len = torch.tensor([(s.num_blocks - 1) * bs + c % bs + 1 - (s.num_row_pages - 1) * self.page
+                                          for (s, _), c in zip(decode, cur)], dtype=torch.int32, device=dev)
             return meta
         # Torch path: what every layer needs is built here once. A slot is
         # visible if its absolute position is at most the query's (padding
         # columns and the unwritten tail of the last block are not) and, with
         # a sliding window, within it.
-        meta.index = tables.long().flatten(1)                                  # [L, B*Hkv*NB]
-        slot = (bidx[..., None] * bs + torch.arange(bs, device=dev)).flatten(3)  # [L, B, Hkv, S]
+        meta.index = tables.long().flatten(1)                                  # [L, B*Hkv*NP]
+        slot = slot_positions(bidx, bs, npmax * self.page)                     # [L, B, Hkv, S]
         q_pos = torch.tensor(cur, device=dev).view(1, B, 1, 1)
         visible = slot <= q_pos
         if self.window is not None:
@@ -241,10 +273,10 @@ class ModelRunner:
         some sequence evicts."""
         B, Hkv, G, d, bs = q.shape[0], self.Hkv, self.G, self.d, self.bs
         idx = dec.index[layer]
-        NB = dec.tables.shape[3]
+        S = dec.tables.shape[3] * self.page
         # index_select on the flat index: ~1.5x faster than advanced indexing on CPU.
-        k = self.pool.k_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
-        v = self.pool.v_pages.index_select(0, idx).view(B, Hkv, NB * bs, d)
+        k = self.pool.k_pages.index_select(0, idx).view(B, Hkv, S, d)
+        v = self.pool.v_pages.index_select(0, idx).view(B, Hkv, S, d)
         if dec.length:
             # One dense sequence: its keys are exactly positions 0..n-1, so attend
             # to them unmasked, as transformers' decode step does (same call, same logits).
@@ -260,7 +292,12 @@ class ModelRunner:
         logits = torch.matmul(qh.float(), k.float().transpose(-1, -2)) * self.scale
         probs = torch.softmax(logits.masked_fill_(~mask, float("-inf")), -1)   # [B, Hkv, G, S]
         o = torch.matmul(probs, v.float()).to(q.dtype).reshape(B, self.Hq, d)
-        return o, probs.view(B, Hkv, G, NB, bs).sum(-1).mean(2)
+        return o, self._per_block(probs, dec.nbmax).mean(2)
+
+    def _per_block(self, p: torch.Tensor, nb: int) -> torch.Tensor:
+        """[..., slots] probabilities in packed order -> [..., nb] per resident block."""
+        p = p[..., :nb * self.bs]
+        return p if self.bs == 1 else p.reshape(*p.shape[:-1], nb, self.bs).sum(-1)
 
     def _prefill_attention(self, layer: int, pf: _Prefill, q: torch.Tensor, k_new: torch.Tensor,
                            v_new: torch.Tensor) -> torch.Tensor:
@@ -274,10 +311,10 @@ class ModelRunner:
                 q[rows].transpose(0, 1)[None], k_new[rows].transpose(0, 1)[None],
                 v_new[rows].transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=G > 1)
             return out[0].transpose(0, 1)
-        pages = seq.page_table[layer].long()                                   # [Hkv, NB]
-        NB = pages.shape[1]
-        k = self.pool.k_pages[pages].reshape(self.Hkv, NB * self.bs, d)
-        v = self.pool.v_pages[pages].reshape(self.Hkv, NB * self.bs, d)
+        pages = seq.page_table[layer].long()                                   # [Hkv, NP]
+        NB, S = seq.num_blocks, pages.shape[1] * self.page
+        k = self.pool.k_pages[pages].reshape(self.Hkv, S, d)
+        v = self.pool.v_pages[pages].reshape(self.Hkv, S, d)
         # Slots past the last written token have positions > every query: masked too.
         visible = lambda cols: pf.slot_pos[layer][:, None, None, cols] <= pf.q_pos[None, None, :, None]
         causal = None
@@ -297,9 +334,10 @@ class ModelRunner:
         logits = torch.einsum("hgtd,hsd->hgts", qh, k)                         # [Hkv, G, t, S]
         if self.window is None:
             # Blocks wholly before the chunk are visible to all of its queries: only the
-            # trailing columns (the chunk's own blocks, never evicted yet) need the mask.
-            first = seq.num_cached // self.bs
-            tail = (math.ceil((seq.num_cached + t) / self.bs) - first) * self.bs
+            # trailing columns (the chunk's own blocks, never evicted yet) and the
+            # last page's unused slots need the mask.
+            own = math.ceil((seq.num_cached + t) / self.bs) - seq.num_cached // self.bs
+            tail = S - (NB - own) * self.bs
             logits[..., -tail:].masked_fill_(~visible(slice(-tail, None)), float("-inf"))
         else:
             logits.masked_fill_(~causal, float("-inf"))
@@ -308,7 +346,7 @@ class ModelRunner:
         # Block mass summed over the chunk's queries, and of the newest queries the
         # ring keeps, without a [Hkv, t, NB] copy of every query's (at block size 1
         # and a 4k context that copy and its sums were a quarter of a prefill).
-        blocks = lambda p: (p if self.bs == 1 else p.view(*p.shape[:-1], NB, self.bs).sum(-1)).mean(1)
+        blocks = lambda p: self._per_block(p, NB).mean(1)
         window = blocks(probs[:, :, -seq.win_mass.shape[3]:])                  # [Hkv, W, NB]
         pf.acc.append(blocks(probs.sum(2)))
         pf.last.append(window[:, -1])

@@ -1,17 +1,18 @@
 """Prefix cache: the KV of frequent prompt prefixes (system prompts), shared
 by reference (vLLM style).
 
-Full blocks only. Block ``i`` of a prompt is keyed by a hash chain,
-``key_i = hash((key_{i-1}, its block_size token ids))``, so one key names the
-whole prefix up to the end of that block; the token ids are kept and compared
+Full pages only. Page ``i`` of a prompt is keyed by a hash chain,
+``key_i = hash((key_{i-1}, its page_size token ids))``, so one key names the
+whole prefix up to the end of that page; the token ids are kept and compared
 as well, so a hash collision is a miss, never wrong KV. An entry holds one
-page per (layer, kv-head) and that block's policy statistics (so a budgeted
-sequence ranks reused blocks as if it had computed them itself).
+page per (layer, kv-head) and the policy statistics of its blocks (so a
+budgeted sequence ranks reused blocks as if it had computed them itself).
 
 A sequence that hits takes one reference per page (``KVPool.share``) and
-never writes those pages: they are full, and it appends into new blocks of its
+never writes those pages: they are full, and it appends into new pages of its
 own. Finishing or evicting drops its reference; the cache's own reference keeps
-the block for the next request. At most ``max_pages`` pages are cached;
+the page for the next request. A budgeted sequence whose pages hold several
+blocks compacts its rows in place, so it takes copies instead. At most ``max_pages`` pages are cached;
 least-recently-used blocks go first and a lookup refreshes a chain from its
 end back to its start, so a prefix's first blocks outlive its later ones (a
 chain never loses its head while its tail stays unreachable).
@@ -35,13 +36,16 @@ class CachedBlock:
     key: int
     tokens: tuple[int, ...]
     pages: torch.Tensor                 # [L, Hkv] int32
-    stats: dict[str, torch.Tensor]      # per-block columns of Sequence's statistics
+    stats: dict[str, torch.Tensor]      # [L, Hkv, c, ...]: the page's blocks' columns of Sequence's statistics
     has_stats: bool                     # attention statistics were collected (else zeros)
 
 
 class PrefixCache:
     def __init__(self, pool: KVPool, block_size: int, rows: int, max_pages: int):
-        self.pool, self.bs, self.rows = pool, block_size, rows   # rows = layers x kv-heads
+        self.pool, self.rows = pool, rows   # rows = layers x kv-heads
+        self.block_size = block_size
+        self.bs = pool.page_size            # tokens per entry
+        self.c = pool.page_size // block_size   # blocks per entry
         self.max_pages = max_pages
         self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()   # LRU first
         self.queries = self.hits = self.query_tokens = self.hit_tokens = 0
@@ -82,15 +86,15 @@ class PrefixCache:
         ``reservation(seq)``: pages the scheduler reserves for it."""
         if seq.num_cached or seq.num_blocks:
             return
-        limit = (seq.num_prompt - 1) // seq.block_size
+        limit = (seq.num_prompt - 1) // self.bs
         budgeted = seq.eviction.budget_blocks is not None and not seq.prewarm
         if budgeted:
-            limit = min(limit, seq.eviction.budget_blocks)
+            limit = min(limit, seq.eviction.budget_blocks // self.c)
         blocks = self.lookup(seq.prompt_ids, limit, need_stats=budgeted, count=False)
         # Admission reserved for the sequence as it was; sharing may only lower that
         # (it can raise it for a sliding-window model, whose dense rows otherwise stay small).
         before = reservation(seq)
-        seq.prefix_blocks = len(blocks)
+        seq.prefix_blocks = len(blocks) * self.c
         if reservation(seq) > before:
             seq.prefix_blocks, blocks = 0, []
         if not seq.prewarm:
@@ -109,26 +113,33 @@ class PrefixCache:
             return
         k = len(blocks)
         pages = torch.stack([b.pages for b in blocks], -1).to(seq.page_table.device)
-        self.pool.share(pages)
-        seq.append_blocks(pages, 0)
+        if self.c > 1 and seq.eviction.budget_blocks is not None:
+            own = self.pool.alloc(pages.numel()).to(pages.device)
+            self.pool.k_pages[own.long()] = self.pool.k_pages[pages.reshape(-1).long()]
+            self.pool.v_pages[own.long()] = self.pool.v_pages[pages.reshape(-1).long()]
+            pages = own.view(pages.shape)
+        else:
+            self.pool.share(pages)
+        seq.append_blocks(pages, 0, k * self.c)
+        k *= self.c
         for name in STATS:
-            src, dst = torch.stack([b.stats[name] for b in blocks], 2), getattr(seq, name)[:, :, :k]
+            src, dst = torch.cat([b.stats[name] for b in blocks], 2), getattr(seq, name)[:, :, :k]
             if src.shape != dst.shape:   # a snapkv ring (64 slots) meets a one-slot one:
                 src = src.sum(-1, keepdim=True)   # the window's total lands in one slot
                 dst = dst[..., :1]
             dst.copy_(src)
-        seq.num_cached = k * self.bs
+        seq.num_cached = k * self.block_size
         seq.feat_upto = k          # key summaries came along
         seq.prefix_blocks = k
 
     # ------------------------------------------------------------ insert
     def insert(self, seq: Sequence, n_blocks: int, room_pages: int, has_stats: bool) -> int:
-        """Cache the first ``n_blocks`` full blocks of ``seq``, whose columns
-        must still be blocks 0..n-1 in every row (nothing evicted). Never holds
+        """Cache the first ``n_blocks`` full pages of ``seq``, whose columns
+        must still be blocks 0.. in every row (nothing evicted). Never holds
         more than ``max_pages``, nor takes more than ``room_pages`` (pool pages
-        nobody has reserved) beyond what it drops. Returns how many blocks from
+        nobody has reserved) beyond what it drops. Returns how many pages from
         the start of the prompt are cached now."""
-        if n_blocks <= 0 or seq.evicted_blocks or seq.num_blocks < n_blocks:
+        if n_blocks <= 0 or seq.evicted_blocks or seq.num_blocks < n_blocks * self.c:
             return 0
         chain = self.chain(seq.tokens, n_blocks)
         protect, todo, done = {key for key, _ in chain}, [], 0
@@ -149,11 +160,14 @@ class PrefixCache:
             cols = torch.tensor(todo, device=seq.page_table.device)
             pages = seq.page_table[:, :, cols]                                 # [L, Hkv, k]
             L, H, k = pages.shape
-            km, vn = ops.block_features(self.pool.k_pages, self.pool.v_pages, pages.reshape(-1))
-            km, vn = km.view(L, H, k, -1), vn.view(L, H, k)
+            c = self.c
+            blocks = (cols[:, None] * c + torch.arange(c, device=cols.device)).flatten()
+            km, vn = ops.block_features(*self.pool.blocks_view(self.block_size),
+                                        seq.block_address(blocks).reshape(-1))
+            km, vn = km.view(L, H, k, c, -1), vn.view(L, H, k, c)
             self.pool.share(pages)
             for j, i in enumerate(todo):
-                stats = {name: getattr(seq, name)[:, :, i].clone() for name in STATS}
+                stats = {name: getattr(seq, name)[:, :, i * c:(i + 1) * c].clone() for name in STATS}
                 stats["key_mean"] = km[:, :, j].to(stats["key_mean"].device, stats["key_mean"].dtype)
                 stats["value_norm"] = vn[:, :, j].to(stats["value_norm"].device, stats["value_norm"].dtype)
                 key, block = chain[i]

@@ -39,7 +39,7 @@ from services.compute.sequence import Sequence, SequenceStatus
 class Scheduler:
     def __init__(self, pool: KVPool, rows: int, max_num_seqs: int, prefill_chunk: int,
                  cleanup_threshold: float, window: int | None = None, headroom_chunks: int = 2):
-        self.pool, self.rows = pool, rows   # rows = layers x kv-heads: pages per block
+        self.pool, self.rows = pool, rows   # rows = layers x kv-heads: pages per page of every row
         self.headroom_chunks = headroom_chunks
         self.window = window                # sliding window of the model (dense rows stay within it)
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
@@ -67,9 +67,11 @@ class Scheduler:
                 # The engine frees blocks behind the window after every step
                 # (drop_outside_window): at most the window plus one chunk, and
                 # a partial block at each end.
-                blocks = min(blocks, math.ceil((self.window + self.prefill_chunk) / bs) + 2)
-            return blocks * self.rows
-        return self.base_blocks(seq) * self.rows
+                # Behind the window whole pages only go: one more page.
+                return min(seq.pages_for(blocks),
+                           seq.pages_for(math.ceil((self.window + self.prefill_chunk) / bs) + 2) + 1) * self.rows
+            return seq.pages_for(blocks) * self.rows
+        return seq.pages_for(self.base_blocks(seq)) * self.rows
 
     @staticmethod
     def budget_blocks(seq: Sequence) -> int:
@@ -96,17 +98,17 @@ class Scheduler:
         return self.budget_blocks(seq) < self.dense_blocks(seq)
 
     def headroom_used(self, seq: Sequence) -> int:
-        """Blocks per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""
+        """Pages per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""
         if seq.eviction.budget_blocks is None:
             return 0
-        return max(0, seq.num_blocks - self.base_blocks(seq))
+        return max(0, seq.num_row_pages - seq.pages_for(self.base_blocks(seq)))
 
-    def headroom_blocks(self, block_size: int) -> int:
-        """Blocks per row all budgeted sequences together may hold over their
+    def headroom_pages(self, seq: Sequence) -> int:
+        """Pages per row all budgeted sequences together may hold over their
         base: ``headroom_chunks`` prefill chunks (so several prompts' chunks can
         wait for their plans at once), or an eighth of the pool if that is less
-        (a budgeted chunk is then shorter; two blocks always make progress)."""
-        chunk = math.ceil(self.prefill_chunk / block_size) + 1
+        (a budgeted chunk is then shorter; two pages always make progress)."""
+        chunk = seq.pages_for(math.ceil(self.prefill_chunk / seq.block_size)) + 1
         return min(self.headroom_chunks * chunk, max(2, self.pool.capacity // self.rows // 8))
 
     def reserved(self, candidate: Sequence | None = None) -> int:
@@ -117,7 +119,7 @@ class Scheduler:
         total = sum(self.reservation(s) for s in seqs)
         budgeted = [s for s in seqs if self.may_overshoot(s)]
         if budgeted:
-            total += self.headroom_blocks(budgeted[0].block_size) * self.rows
+            total += self.headroom_pages(budgeted[0]) * self.rows
         return total
 
     def held(self) -> int:
@@ -207,7 +209,7 @@ class Scheduler:
                 # A budgeted prompt is cut at fixed positions (multiples of its chunk),
                 # whatever else runs: its eviction rounds, and so what it keeps, do not
                 # depend on the load. A chunk that does not fit this step waits.
-                unit = self.budgeted_chunk(seq.block_size)
+                unit = self.budgeted_chunk(seq)
                 t = min(todo, unit - seq.num_cached % unit)
                 if t > chunk_left or self._headroom_after(seq, t) > self._room(seq, used):
                     continue
@@ -219,16 +221,16 @@ class Scheduler:
     def _headroom_after(self, seq: Sequence, t: int) -> int:
         bs = seq.block_size
         added = math.ceil((seq.num_cached + t) / bs) - math.ceil(seq.num_cached / bs)
-        return max(0, seq.num_blocks + added - self.base_blocks(seq))
+        return max(0, seq.pages_for(seq.num_blocks + added) - seq.pages_for(self.base_blocks(seq)))
 
     def _room(self, seq: Sequence, used: int) -> int:
-        """Overshoot blocks ``seq`` may reach, given everyone else's."""
-        return self.headroom_blocks(seq.block_size) - (used - self.headroom_used(seq))
+        """Overshoot pages per row ``seq`` may reach, given everyone else's."""
+        return self.headroom_pages(seq) - (used - self.headroom_used(seq))
 
-    def budgeted_chunk(self, block_size: int) -> int:
+    def budgeted_chunk(self, seq: Sequence) -> int:
         """Prefill chunk of a budgeted sequence: ``prefill_chunk``, or less when the
-        headroom is smaller (a tiny pool), in whole blocks. Fixed per engine."""
-        fit = (self.headroom_blocks(block_size) - 1) * block_size   # >= one block (headroom >= 2)
+        headroom is smaller (a tiny pool), in whole pages. Fixed per engine."""
+        fit = (self.headroom_pages(seq) - 1) * seq.block_size * seq.page_blocks   # >= one page (headroom >= 2)
         return min(self.prefill_chunk, fit)
 
     def remove(self, seq: Sequence) -> None:

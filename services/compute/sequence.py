@@ -1,9 +1,15 @@
 """One request inside the engine: its tokens, its page tables and the
 per-block statistics the eviction policies rank by.
 
-Every per-block tensor is rectangular ``[L, Hkv, NB]`` (+ trailing dims) and its
-columns stay aligned with ``page_table``: ``append_blocks`` adds columns,
-``keep_columns`` compacts them after an eviction round.
+A **block** (``block_size`` positions, 1 by default) is the unit of eviction;
+a **page** (``page_blocks`` blocks) is the unit of memory. Every per-block
+tensor is rectangular ``[L, Hkv, NB]`` (+ trailing dims), one column per
+resident block in position order; ``page_table[L, Hkv, NP]`` holds each row's
+pages, packed: column ``j`` lives in page ``j // page_blocks``, slot
+``j % page_blocks``, so a row of ``NB`` blocks holds ``ceil(NB / page_blocks)``
+pages. ``append_blocks`` adds columns (and the pages they need),
+``keep_columns`` compacts them after an eviction round (eviction.py moves the
+survivors' K/V so the packing holds).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ SNAPKV_WINDOW = 64
 
 
 # Per-(layer, kv-head, block) columns: an eviction keeps the same ones of each.
-COLUMN_FIELDS = ("page_table", "block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "value_norm", "reach")
+COLUMN_FIELDS = ("block_index", "acc_mass", "last_mass", "win_mass", "key_mean", "value_norm", "reach")
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +72,7 @@ class Sequence:
     head_dim: int
     block_size: int
     device: torch.device | str = "cpu"
+    page_blocks: int = 1           # blocks per page (the pool's page size / block_size)
     output_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached: int = 0            # tokens whose K/V are in pages
@@ -128,7 +135,28 @@ class Sequence:
 
     @property
     def num_blocks(self) -> int:
+        """Resident blocks per row (columns)."""
+        return self.block_index.shape[2]
+
+    @property
+    def num_row_pages(self) -> int:
+        """Pages per row."""
         return self.page_table.shape[2]
+
+    def block_address(self, cols) -> torch.Tensor:
+        """[L, Hkv, k]: where columns ``cols`` (a slice, a list or a tensor)
+        live in the pool's blocks view (``KVPool.blocks_view``)."""
+        c = self.page_blocks
+        if c == 1:
+            return self.page_table[:, :, cols]
+        if isinstance(cols, slice):
+            cols = range(*cols.indices(self.num_blocks))
+        cols = torch.as_tensor(cols, dtype=torch.long, device=self.page_table.device)
+        return self.page_table[:, :, cols // c] * c + cols % c
+
+    def pages_for(self, blocks: int) -> int:
+        """Pages per row that hold ``blocks`` packed blocks."""
+        return -(-blocks // self.page_blocks)
 
     @property
     def in_prefill(self) -> bool:
@@ -167,9 +195,11 @@ class Sequence:
         self.output_ids.append(token_id)
 
     # -- columns ------------------------------------------------------------
-    def append_blocks(self, pages: torch.Tensor, first_block: int) -> None:
-        """Add ``k`` newest blocks (logical ``first_block ...``) to every row."""
-        append_blocks([self], [pages], [first_block])
+    def append_blocks(self, pages: torch.Tensor, first_block: int, num: int | None = None) -> None:
+        """Add ``num`` newest blocks (logical ``first_block ...``) to every row,
+        and ``pages[L, Hkv, p]`` after the row's pages (``num`` defaults to
+        the blocks those pages hold)."""
+        append_blocks([self], [pages], [first_block], None if num is None else [num])
 
     def keep_columns(self, keep: torch.Tensor) -> None:
         """Compact every row to the columns ``keep[L, Hkv, K]`` (ascending)."""
@@ -179,7 +209,7 @@ class Sequence:
         """Copy out columns that are views into a batched round's tensors
         (eviction.evict_rounds): a sequence kept for long (a parked session)
         must not pin every other sequence's columns of that round."""
-        for name in COLUMN_FIELDS:
+        for name in COLUMN_FIELDS + ("page_table",):
             t = getattr(self, name)
             if t._base is not None:
                 setattr(self, name, t.clone())
@@ -292,7 +322,8 @@ def _grows(seq: Sequence) -> bool:
     return st.budget_blocks is None or (st.after_prompt and seq.in_prefill)
 
 
-def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int]) -> None:
+def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int],
+                  num: list[int] | None = None) -> None:
     """``Sequence.append_blocks`` of several sequences as one. At block size 1
     every decoding sequence grows by a block per step. Sequences with spare
     columns are written in place (a few multi-tensor ops for all of them);
@@ -301,31 +332,32 @@ def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: 
     after theirs) and split back. Rebuilding dense sequences at every step
     copied all their columns each step (13 of a 23 ms step for 14 dense
     1k-token sequences at block size 1)."""
-    kl = [p.shape[2] for p in pages]
-    fits = [all(_room(s, name) >= k for name in COLUMN_FIELDS) for s, k in zip(seqs, kl)]
-    for group, append in (([i for i, f in enumerate(fits) if f], _append_in_place),
-                          ([i for i, f in enumerate(fits) if not f], _append_rebuilt)):
+    kl = [p.shape[2] * s.page_blocks for p, s in zip(pages, seqs)] if num is None else list(num)
+    for s, p in zip(seqs, pages):
+        if p.shape[2]:
+            s.page_table = torch.cat([s.page_table, p.to(s.page_table)], 2) if s.page_table.shape[2] else p.to(
+                s.page_table.device, s.page_table.dtype)
+    grow = [i for i, k in enumerate(kl) if k > 0]
+    fits = [all(_room(seqs[i], name) >= kl[i] for name in COLUMN_FIELDS) for i in grow]
+    for group, append in (([i for i, f in zip(grow, fits) if f], _append_in_place),
+                          ([i for i, f in zip(grow, fits) if not f], _append_rebuilt)):
         if group:
-            append([seqs[i] for i in group], *_new_columns([pages[i] for i in group],
+            append([seqs[i] for i in group], *_new_columns([seqs[i] for i in group], [kl[i] for i in group],
                                                           [first_block[i] for i in group], seqs[0].page_table.device))
     for s in seqs:
         s.peak_blocks = max(s.peak_blocks, s.num_blocks)
 
 
-def _new_columns(pages: list[torch.Tensor], first_block: list[int], dev) -> tuple[list[int], dict]:
+def _new_columns(seqs: list[Sequence], kl: list[int], first_block: list[int], dev) -> tuple[list[int], dict]:
     """(blocks per sequence, {field: [L, Hkv, sum k]}) of the new columns that
-    are not zeros: page numbers and block numbers, every sequence's side by
-    side. Sizes come from the host (and are given as output sizes): no device
-    value is read."""
-    pages = [p.to(dev) for p in pages]
-    L, H = pages[0].shape[:2]
-    kl = [p.shape[2] for p in pages]
+    are not zeros: block numbers, every sequence's side by side. Sizes come
+    from the host (and are given as output sizes): no device value is read."""
+    L, H = seqs[0].num_layers, seqs[0].num_kv_heads
     n_new = sum(kl)
     k_before = torch.tensor(list(itertools.accumulate(kl[:-1], initial=0)), device=dev)
     index = torch.arange(n_new, device=dev) + torch.repeat_interleave(
         torch.tensor(first_block, device=dev) - k_before, torch.tensor(kl, device=dev), output_size=n_new)
-    return kl, {"page_table": torch.cat(pages, 2) if len(pages) > 1 else pages[0],
-                "block_index": index.to(torch.int32).expand(L, H, -1)}
+    return kl, {"block_index": index.to(torch.int32).expand(L, H, -1)}
 
 
 def _append_in_place(seqs: list[Sequence], kl: list[int], new: dict) -> None:
@@ -349,7 +381,7 @@ def _append_in_place(seqs: list[Sequence], kl: list[int], new: dict) -> None:
 
 def _append_rebuilt(seqs: list[Sequence], kl: list[int], new: dict) -> None:
     dev = seqs[0].page_table.device
-    L, H = seqs[0].page_table.shape[:2]
+    L, H = seqs[0].num_layers, seqs[0].num_kv_heads
     nbs = [s.num_blocks for s in seqs]
     sizes = [n + k for n, k in zip(nbs, kl)]
     room = [min(max(MIN_ROOM, n), MAX_ROOM) if _grows(s) else 0 for s, n in zip(seqs, sizes)]

@@ -35,7 +35,7 @@ class SessionCache:
     @property
     def num_pages(self) -> int:
         """Pages parked here, less those the prefix cache already counts."""
-        return sum(s.page_table.numel() - s.shared_prefix_blocks * s.num_layers * s.num_kv_heads
+        return sum(s.page_table.numel() - s.shared_prefix_blocks // s.page_blocks * s.num_layers * s.num_kv_heads
                    for s in self.parked.values())
 
     def __contains__(self, session_id: str) -> bool:

@@ -40,7 +40,7 @@ def trace(engine, ev):
 @pytest.mark.parametrize("policy", ["h2o", "keydiff", "learned"])
 def test_budget_after_prompt_keeps_the_whole_prompt_then_evicts_once(model, policy):
     advisor = ScriptedAdvisor() if policy == "learned" else None
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, advisor=advisor)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, advisor=advisor)
     ev = EvictionParams(policy, budget=BUDGET, sink=4, recent=8, after_prompt=True)
     tokens, seen, usage = trace(engine, ev)
     prompt_blocks = math.ceil(PROMPT / BS)
@@ -64,7 +64,7 @@ def test_budget_after_prompt_keeps_the_whole_prompt_then_evicts_once(model, poli
 
 
 def test_budget_during_prefill_bounds_the_peak(model):
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
     _, seen, usage = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
     chunk_blocks = 16 // BS
     assert max(n for _, _, n in seen) <= BUDGET // BS + chunk_blocks
@@ -81,7 +81,7 @@ def test_a_smaller_prefill_chunk_lowers_the_peak(model):
     (KVPOP_PREFILL_CHUNK): halving the chunk lowers it by that much."""
     peaks = {}
     for chunk in (8, 32):
-        engine = tiny_engine(model, block_size=BS, prefill_chunk=chunk)
+        engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=chunk)
         _, _, usage = trace(engine, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
         rows = engine.scheduler.rows
         peaks[chunk] = usage.kv_blocks_peak // rows
@@ -93,7 +93,7 @@ def test_after_prompt_reserves_the_prompt_at_admission(model):
     """A pool too small for the whole prompt refuses an after-prompt request
     that fits when the budget holds during prefill (the peak is the price)."""
     rows = 2 * 2
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, num_pages=24 * rows)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, num_pages=24 * rows)
     prompt = random_prompt(PROMPT, seed=5)
     engine.add_request("during", prompt, SP, EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
     with pytest.raises(ValueError, match="KV pages"):
@@ -116,7 +116,7 @@ def test_gateway_passes_evict_after_prompt_to_compute():
 @pytest.mark.parametrize("policy", ["h2o", "learned"])
 def test_prefill_allowance_holds_a_multiple_during_prefill_then_the_budget(model, policy):
     advisor = ScriptedAdvisor() if policy == "learned" else None
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, advisor=advisor)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, advisor=advisor)
     _, seen, usage = trace(engine, EvictionParams(policy, budget=BUDGET, sink=4, recent=8, prefill_allowance=2.0))
     rows, chunk_blocks, budget = engine.scheduler.rows, 16 // BS, BUDGET // BS
     slack = engine.config.plan_slack_blocks if policy == "learned" else 0
@@ -138,7 +138,7 @@ def test_the_peak_follows_the_allowance(model):
     """Budget during prefill < 2x < 3x < the whole prompt (evict_after_prompt), same prompt and budget."""
     peaks = []
     for kw in ({}, {"prefill_allowance": 2.0}, {"prefill_allowance": 3.0}, {"after_prompt": True}):
-        engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+        engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
         _, _, usage = trace(engine, EvictionParams("keydiff", budget=BUDGET, sink=4, recent=8, **kw))
         peaks.append(usage.kv_blocks_peak)
     assert peaks == sorted(set(peaks)), peaks
@@ -148,7 +148,7 @@ def test_an_allowance_past_the_prompt_holds_the_prompt_and_reserves_only_it(mode
     """64x a small budget is more than the prompt: the sequence holds its whole prompt during
     prefill, and admission reserves the prompt, not 64x the budget."""
     rows = 2 * 2
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16, num_pages=40 * rows)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, num_pages=40 * rows)
     engine.add_request("big", random_prompt(PROMPT, seed=5), SP,
                        EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, prefill_allowance=64.0))
     seq = engine.seqs["big"]
@@ -163,7 +163,7 @@ def test_an_allowance_past_the_prompt_holds_the_prompt_and_reserves_only_it(mode
     ({"prefill_allowance": 2.0, "after_prompt": True}, "exclude each other"),
 ])
 def test_a_bad_allowance_is_refused_before_a_sequence_exists(model, kw, message):
-    engine = tiny_engine(model, block_size=BS, prefill_chunk=16)
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
     with pytest.raises(ValueError, match=message):
         engine.add_request("r", random_prompt(PROMPT, seed=5), SP,
                            EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, **kw))

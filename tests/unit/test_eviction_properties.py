@@ -305,10 +305,9 @@ def test_columns_grown_in_place_equal_columns_concatenated(data):
             for i, k, p, f in zip(grow, ks, pages, firsts):
                 s, r = seqs[i], ref[i]
                 s.num_cached += k
-                r["page_table"] = torch.cat([r["page_table"], p], 2)
                 r["block_index"] = torch.cat([r["block_index"], (f + torch.arange(k, dtype=torch.int32))
                                               .expand(L, H, k)], 2)
-                for name in COLUMN_FIELDS[2:]:
+                for name in COLUMN_FIELDS[1:]:
                     t = r[name]
                     r[name] = torch.cat([t, t.new_zeros(t.shape[:2] + (k,) + t.shape[3:])], 2)
                 # Statistics change in place between steps, as the engine's observe does.

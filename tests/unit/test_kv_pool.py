@@ -6,7 +6,7 @@ from services.compute.kv_pool import KVPool, OutOfPages
 
 
 def test_alloc_free_accounting_and_page0_reserved():
-    pool = KVPool(num_pages=9, block_size=4, head_dim=8)
+    pool = KVPool(num_pages=9, page_size=4, head_dim=8)
     assert pool.capacity == 8 and pool.num_free == 8 and pool.num_used == 0
     assert pool.k_pages.shape == (9, 4, 8) and pool.v_pages.shape == (9, 4, 8)
     a = pool.alloc(5)
@@ -43,7 +43,7 @@ def test_sized_from_memory_budget():
 
 def test_free_drops_one_reference_per_occurrence():
     """Two sequences' rounds freed in one call may name a shared page twice."""
-    pool = KVPool(num_pages=9, block_size=4, head_dim=8)
+    pool = KVPool(num_pages=9, page_size=4, head_dim=8)
     a = pool.alloc(3)
     pool.share(a[:2])                                  # a second holder of two pages
     pool.free(torch.cat([a, a[:1]]))                   # both holders of a[0] let go at once

@@ -30,13 +30,13 @@ def _serve(engine, prompts, sp=SP, eviction=None):
 def test_repeated_system_prompt_hits_and_changes_nothing(model):
     system = random_prompt(42, seed=1)
     prompts = [system + random_prompt(1 + i % 7, seed=100 + i) for i in range(100)]
-    plain = tiny_engine(model, prefix_cache_fraction=0.0)
+    plain = tiny_engine(model, page_size=4, prefix_cache_fraction=0.0)
     expected = _serve(plain, prompts)
 
-    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     assert engine.prewarm(system) == 1
     cache = engine.prefix_cache
-    assert len(cache.blocks) == 42 // 4 and engine.pool.num_used == cache.num_pages
+    assert len(cache.blocks) == 42 // engine.page_size and engine.pool.num_used == cache.num_pages
     before = engine.counters["prompt_tokens"]
     assert _serve(engine, prompts) == expected
     st = engine.stats()
@@ -52,7 +52,7 @@ def test_repeated_system_prompt_hits_and_changes_nothing(model):
 
 def test_budgeted_request_gets_the_statistics_and_evicts_shared_pages(model):
     system = random_prompt(64, seed=2)
-    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     engine.prewarm([system])
     cache = engine.prefix_cache
     pages_before = {b.key: b.pages.clone() for b in cache.blocks.values()}
@@ -72,7 +72,7 @@ def test_budgeted_request_gets_the_statistics_and_evicts_shared_pages(model):
 
 def test_shared_pages_are_never_written(model):
     system = random_prompt(16, seed=4)
-    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     engine.prewarm(system)
     pages = torch.stack([b.pages for b in engine.prefix_cache.blocks.values()]).long().flatten()
     k_before = engine.pool.k_pages[pages].clone()
@@ -82,7 +82,7 @@ def test_shared_pages_are_never_written(model):
 
 
 def test_bounded_lru_and_released_under_pool_pressure(model):
-    engine = tiny_engine(model, num_pages=600, prefix_cache_fraction=0.25)   # 4 pages per block
+    engine = tiny_engine(model, page_size=4, num_pages=600, prefix_cache_fraction=0.25)   # 4 pages per block
     cache = engine.prefix_cache
     assert cache.max_pages == 149
     for i in range(6):
@@ -106,12 +106,12 @@ def test_async_engine_prewarm_texts_then_hits(model):
     from services.compute.async_engine import AsyncEngine
 
     tok = default_tokenizer()
-    aengine = AsyncEngine(tiny_engine(model, tokenizer=tok, prefix_cache_fraction=0.2))
+    aengine = AsyncEngine(tiny_engine(model, page_size=4, tokenizer=tok, prefix_cache_fraction=0.2))
     system = "You are a careful assistant. Answer briefly. "
     try:
         # "ab" + BOS: no full block; out-of-vocabulary ids: skipped, never raised
         assert aengine.prewarm([system, "ab", [10**6] * 8]) == 1
-        assert aengine.stats()["prefix_cache_blocks"] == len(tok.encode(system)) // 4
+        assert aengine.stats()["prefix_cache_blocks"] == len(tok.encode(system)) // aengine.engine.page_size
 
         async def ask(rid, text):
             return [o async for o in aengine.generate(rid, tok.encode(system + text), SP)]
@@ -125,7 +125,7 @@ def test_async_engine_prewarm_texts_then_hits(model):
 
 
 def test_prewarm_beside_running_requests_loses_no_output(model):
-    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     prompt = random_prompt(10, seed=8)
     engine.add_request("busy", prompt, sp)
@@ -144,7 +144,7 @@ def test_snapkv_request_on_a_prewarmed_prefix_carries_the_window_mass(model):
     lands in one slot, so its score (the ring's sum) is what was cached."""
     from services.compute.sequence import SNAPKV_WINDOW
     system = random_prompt(64, seed=2)
-    engine = tiny_engine(model, prefix_cache_fraction=0.2)
+    engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     engine.prewarm([system])
     cached = sum(float(b.stats["win_mass"].sum()) for b in engine.prefix_cache.blocks.values())
     assert cached > 0

@@ -16,7 +16,7 @@ def model():
 
 def test_admission_by_free_pages(model):
     # Each dense request reserves ceil((10 + 10) / 4) = 5 blocks x 4 rows = 20 pages.
-    engine = tiny_engine(model, num_pages=41, cleanup_threshold=1.0)
+    engine = tiny_engine(model, page_size=4, num_pages=41, cleanup_threshold=1.0)
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     prompts = [random_prompt(10, seed=i) for i in range(3)]
     for i, p in enumerate(prompts):
@@ -29,7 +29,7 @@ def test_admission_by_free_pages(model):
 
 
 def test_request_larger_than_pool_is_refused(model):
-    engine = tiny_engine(model, num_pages=41)
+    engine = tiny_engine(model, page_size=4, num_pages=41)
     with pytest.raises(ValueError, match="KV pages"):
         engine.add_request("big", random_prompt(50, 1), SamplingParams(max_tokens=50))
 
@@ -67,7 +67,7 @@ def test_cleanup_shrinks_running_budgets_before_queueing(model):
     headroom (12 pages). 68 + 68 + 12 > 121: without cleanup B would wait.
     With it, A's budget shrinks to its floor (8 blocks), its blocks are
     evicted at once, B runs."""
-    engine = tiny_engine(model, num_pages=121, prefill_chunk=8, cleanup_threshold=0.7)
+    engine = tiny_engine(model, page_size=4, num_pages=121, prefill_chunk=8, cleanup_threshold=0.7)
     ev = EvictionParams("h2o", budget=64, sink=4, recent=8)
     sp = SamplingParams(max_tokens=60, ignore_eos=True)
     engine.add_request("a", random_prompt(60, 1), sp, ev)
@@ -87,7 +87,7 @@ def test_cleanup_shrinks_running_budgets_before_queueing(model):
 
 
 def test_dense_requests_are_queued_not_shrunk(model):
-    engine = tiny_engine(model, num_pages=41, cleanup_threshold=0.5)
+    engine = tiny_engine(model, page_size=4, num_pages=41, cleanup_threshold=0.5)
     sp = SamplingParams(max_tokens=10, ignore_eos=True)
     engine.add_request("a", random_prompt(10, 1), sp)
     engine.add_request("b", random_prompt(10, 2), sp, EvictionParams("h2o", budget=16, sink=0, recent=4))

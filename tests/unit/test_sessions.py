@@ -43,7 +43,7 @@ def test_dense_session_continues_exactly_and_grows(model):
         # Parked: every token but the last generated one is in pages.
         st = engine.stats()
         assert st["sessions_parked"] == 1
-        assert st["session_pages"] == math.ceil((len(history) - 1) / 4) * ROWS == engine.pool.num_used
+        assert st["session_pages"] == math.ceil((len(history) - 1) / engine.page_size) * ROWS == engine.pool.num_used
         assert engine.session_tokens("s") == len(history)
     assert engine.stats()["sessions_continued"] == 3
     assert engine.drop_session("s") and not engine.has_session("s")
@@ -89,12 +89,12 @@ def test_abort_drops_the_turn_and_a_queued_turn_keeps_its_session(model):
 
 
 def test_ttl_and_pool_pressure_drop_parked_sessions(model):
-    engine = tiny_engine(model, block_size=4, num_pages=400, session_ttl_s=0.3, prefix_cache_fraction=0)
+    engine = tiny_engine(model, block_size=4, page_size=4, num_pages=400, session_ttl_s=0.3, prefix_cache_fraction=0)
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     for i in range(3):
         _turn(engine, f"p{i}", random_prompt(40, seed=i), sp, session=f"s{i}")
     used = engine.pool.num_used
-    assert engine.stats()["sessions_parked"] == 3 and used == 3 * 11 * ROWS
+    assert engine.stats()["sessions_parked"] == 3 and used == 3 * math.ceil(43 / engine.page_size) * ROWS
     # A request that needs most of the pool: the least recently used sessions go first.
     engine.add_request("big", random_prompt(300, seed=9), SamplingParams(max_tokens=20, ignore_eos=True))
     run_all(engine)
