@@ -393,8 +393,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvpop up: interrupted; stopped what had started", file=sys.stderr)
         return 130
     print(f"model: {_model_line(stack.gateway)}", file=sys.stderr)
-    print(f"logs and state in {state_dir}; metrics at {', '.join(stack.metrics.values())}", file=sys.stderr)
+    print(f"gateway (gRPC, kvpop.v1.KVpop): {stack.gateway}", file=sys.stderr)
+    print("metrics: " + ", ".join(f"{name} {url}" for name, url in stack.metrics.items()), file=sys.stderr)
+    print(f"logs and state in {state_dir}", file=sys.stderr)
     if stack.token_file:
         print(f"internal token (compute, cache-manager) in {stack.token_file}, mode 0600", file=sys.stderr)
-    print(stack.gateway)
+    print(stack.gateway)     # stdout: the address alone, for scripts (ADDR=$(kvpop up))
     return 0

@@ -104,7 +104,23 @@ def collect(stack: Stack, env: dict[str, str] | None = None) -> dict:
         out["processes"].append(row)
     if not stack.has(SUPERVISOR):
         out["supervisor"] = "not started (nothing restarts a service that exits)"
+    gw = next((r for r in out["processes"] if r["name"] == "gateway"), None)
+    out["model"] = served_model(stack.gateway) if gw and gw["ok"] else None
     return out
+
+
+def served_model(gateway: str, timeout: float = 5.0) -> str | None:
+    """The served model's name (its folder's name: `default` for the embedded one), or None."""
+    import grpc
+
+    from kvpop.pb import generate_pb2, generate_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(gateway) as ch:
+            return generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(),
+                                                                timeout=timeout).name
+    except grpc.RpcError:
+        return None
 
 
 def _duration(s: float | None) -> str:
@@ -115,7 +131,7 @@ def _duration(s: float | None) -> str:
 
 
 def render(status: dict) -> str:
-    lines = [f"stack in {status['state_dir']}, gateway {status['gateway']}"]
+    lines = [f"stack in {status['state_dir']}, gateway {status['gateway']}, model {status.get('model') or '-'}"]
     if "supervisor" in status:
         lines.append(f"supervisor: {status['supervisor']}")
     for r in status["processes"]:

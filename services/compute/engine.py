@@ -1,4 +1,4 @@
-"""LLMEngine: the in-process engine (docs/internals.md, "Engine API").
+"""LLMEngine: the in-process engine (docs/design/internals.md, "Engine API").
 
 One ``step()`` = admit, run one mixed prefill/decode forward, sample, stream
 text, then run the eviction rounds of every sequence it touched. Evaluation,

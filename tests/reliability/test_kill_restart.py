@@ -13,7 +13,7 @@
 Also on that stack: the internal APIs refuse callers without the stack's
 token, and compute holds direct callers to its own limits.
 
-CI runs each kill once; docs/reliability.md has the figures of
+CI runs each kill once; docs/guides/operations.md has the figures of
 
     KVPOP_KILL_ROUNDS=5 KVPOP_RELIABILITY_OUT=runs/reliability \\
         .venv/bin/python -m pytest -q -s tests/reliability/test_kill_restart.py
