@@ -13,11 +13,12 @@ from pathlib import Path
 
 from kvpop.flags import add_budget
 from kvpop.launcher import STATE_FILE, default_state_dir
+from kvpop.policy_names import POLICIES
 from kvpop.task_model_note import note_for
 
-# Every name compute accepts (services/compute/policies.py POLICY_NAMES, checked by a test);
-# listed here so that `kvpop generate` needs no torch.
-POLICIES = ("dense", "learned", "streaming", "h2o", "tova", "snapkv", "knorm", "keydiff", "random")
+
+EPILOG = ("Text goes to stdout as it arrives, then one usage line to stderr. Exit status: 0 when the "
+          "stream finished, 1 on a gRPC error (printed as STATUS: message), 130 when interrupted.")
 
 
 def decisions(u) -> str:
@@ -107,11 +108,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hold up to N times the budget while the prompt is prefilled, then the budget "
                         "(between the default, 1, and --evict-after-prompt)")
     p.add_argument("--session", help="session id (stored in Redis)")
-    p.add_argument("--request-id")
+    p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
                    "(default: the gateway counts by IP address)")
-    p.add_argument("--address", help="gateway HOST:PORT (default: from .kvpop/stack.json)")
-    p.add_argument("--state-dir", type=Path, default=None, help="state folder of `kvpop up` (default .kvpop)")
+    p.add_argument("--address", help="gateway HOST:PORT (default: $KVPOP_GATEWAY_ADDRESS, else the stack "
+                                      "in the state folder)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="state folder of `kvpop up` (default: $KVPOP_STATE_DIR, else .kvpop)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 

@@ -20,6 +20,10 @@ from pathlib import Path
 
 from kvpop.launcher import SUPERVISOR, Stack, default_state_dir, proc_uptime
 
+EPILOG = ("Exit status: 0 when every service is up and SERVING and the supervisor runs; 1 otherwise "
+          "(a crash loop, a dead process, a service not SERVING, a degraded capability); 2 when there is "
+          "no stack in the state folder.")
+
 # Health names each service reports besides readiness "" (services/*/server.py).
 CAPABILITIES = {
     "gateway": ["kvpop.gateway.redis"],
