@@ -26,6 +26,11 @@ RESULTS = {"models/default": "docs/results/eviction-quality.md",
            "smollm2-135m": "docs/results/long-context.md"}
 
 
+def _shown(path: Path) -> Path:
+    """A path inside the checkout as the repository names it; any other as it is."""
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -58,7 +63,7 @@ def _metric_table(held: dict, key: str) -> list[str]:
 def render(meta_path: Path) -> str:
     cfg = json.loads(meta_path.read_text())
     t = cfg.get("trained", {})
-    rel = meta_path.relative_to(REPO)
+    rel = _shown(meta_path)
     model = t.get("model", "?")
     serves = cfg.get("block_sizes")
     lines = [
@@ -127,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 stale.append(card)
         else:
             card.write_text(text)
-            print(card.relative_to(REPO))
+            print(_shown(card))
     for card in stale:
-        print(f"{card.relative_to(REPO)} is out of date: run scripts/model_cards.py", file=sys.stderr)
+        print(f"{_shown(card)} is out of date: run scripts/model_cards.py", file=sys.stderr)
     return 1 if stale else 0
 
 
