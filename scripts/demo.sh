@@ -31,7 +31,7 @@ except ValueError: print("")')
     exit 1
   fi
   if [ "$MODEL" != default ]; then
-    echo "demo: the stack in $STATE serves '$MODEL', not the default model;" \
+    echo "demo: the stack in $STATE serves ${MODEL:-a model it does not name}, not the default model;" \
          "stop it with '.venv/bin/kvpop down' and run the demo again" >&2
     exit 1
   fi

@@ -53,7 +53,8 @@ def _metric_table(held: dict, key: str) -> list[str]:
     rows = held.get(key) or {}
     if not rows:
         return []
-    out = ["| ranker | keep 1/2 | keep 1/4 | keep 1/8 | keep 1/16 | mean |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| ranker | keep 1/2 | keep 1/4 | keep 1/8 | keep 1/16 | mean |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, label in RANKERS:
         if name in rows:
             out.append(f"| {label} | " + " | ".join(_fmt(rows[name][k]) for k in (*KEEP, "mean")) + " |")
