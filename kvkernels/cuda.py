@@ -1,4 +1,4 @@
-"""CUDA kernels for the kernel ops (docs/internals.md), launched with CuPy.
+"""CUDA kernels for the kernel ops (docs/design/internals.md), launched with CuPy.
 
 The sources live in `kvkernels/csrc/` and are compiled by NVRTC through
 `cupy.RawModule`, one module per compile-time configuration (dtype, head dim,

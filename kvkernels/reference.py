@@ -1,4 +1,4 @@
-"""PyTorch references for the four kernel ops (docs/internals.md, "Kernel ops").
+"""PyTorch references for the four kernel ops (docs/design/internals.md, "Kernel ops").
 
 They run on any device and are what CPU runs use; the CUDA kernels in
 `kvkernels/cuda.py` are tested against them. Everything is batched over

@@ -1,12 +1,12 @@
 """`kvpop bench`: the engine measured against a yardstick, side by side in one run.
 
-    kvpop bench engine [--model DIR] [--batch 1 16] [--new-tokens 64] [--kv-budget 0.25]
+    kvpop bench engine [--model DIR] [--batch 1 16] [--new-tokens 64] [--budget 0.25]
     kvpop bench prefix [--model DIR] [--requests 40]
 
 engine: decode tokens/s of our LLMEngine vs Hugging Face ``transformers``
 ``generate()`` on the same model and prompts (greedy, a fixed number of new
 tokens, EOS ignored on both sides), runs alternating, after a warm-up, median
-of the repeats; then the KV bytes one sequence holds at ``--kv-budget`` vs
+of the repeats; then the KV bytes one sequence holds at ``--budget`` vs
 dense, read from the pool's own accounting.
 
 prefix: time to first token of requests sharing a system prompt, with and
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvpop.flags import add_budget
 from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
 
@@ -38,8 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes")
     e.add_argument("--prompt-len", type=int, default=64, help="mean prompt length (tokens); lengths vary by +-25%%")
     e.add_argument("--new-tokens", type=int, default=64)
-    e.add_argument("--kv-budget", type=float, default=0.25,
-                   help="budget for the KV-bytes row: a fraction of prompt + new tokens (<= 1) or tokens (> 1)")
+    add_budget(e, type=float, default=0.25,
+               help="budget for the KV-bytes row: a fraction of prompt + new tokens (<= 1) or tokens (> 1)")
     e.add_argument("--policy", default="h2o", help="policy for the KV-bytes row")
     e.add_argument("--kv-prompt-len", type=int, default=1024, help="prompt length for the KV-bytes row")
     e.add_argument("--skip-hf", action="store_true", help="engine only (no transformers)")
@@ -113,8 +114,8 @@ def _check(args) -> None:
     if args.bench == "engine":
         if min(args.batch) < 1 or args.new_tokens < 2 or args.prompt_len < 1 or args.kv_prompt_len < 1:
             raise ValueError("--batch and --prompt-len must be >= 1, --new-tokens >= 2 (decode needs a second token)")
-        if args.kv_budget <= 0:
-            raise ValueError("--kv-budget must be a fraction in (0, 1] or a number of tokens > 1")
+        if args.budget <= 0:
+            raise ValueError("--budget must be a fraction in (0, 1] or a number of tokens > 1")
     elif args.requests < 1 or args.system_len < 1 or args.user_len < 1:
         raise ValueError("--requests, --system-len and --user-len must be >= 1")
 
@@ -271,7 +272,7 @@ def bench_engine(args) -> dict:
     # KV bytes per sequence at the budget vs dense: the same prompts, the pool's accounting.
     page = KVPool.page_bytes(engine.pool.page_size, engine.model.config.head_dim, engine.model.dtype)
     block = KVPool.page_bytes(engine.config.block_size, engine.model.config.head_dim, engine.model.dtype)
-    budget = args.kv_budget if args.kv_budget <= 1 else int(args.kv_budget)
+    budget = args.budget if args.budget <= 1 else int(args.budget)
     kv, long_prompts = {}, prompts_for(4, args.kv_prompt_len, _vocab(args.model), args.seed + 1)
     for name, ev in (("dense", None), (args.policy, EvictionParams(args.policy, budget))):
         eng = make_engine(args, len(long_prompts), max(map(len, long_prompts)) + args.new_tokens)
@@ -288,7 +289,7 @@ def bench_engine(args) -> dict:
         v["vs_dense"] = v["bytes_per_seq_at_finish"] / dense
     results = {"model": str(args.model), "dtype": args.dtype, "device": args.device,
                "prompt_len_mean": statistics.mean(map(len, prompts)), "new_tokens": args.new_tokens,
-               "repeats": args.repeats, "decode": rows, "kv_budget": args.kv_budget,
+               "repeats": args.repeats, "decode": rows, "kv_budget": args.budget,
                "policy": args.policy, "kv_prompt_len_mean": statistics.mean(map(len, long_prompts)), "kv": kv}
     print_engine(results)
     return results

@@ -4,7 +4,7 @@ context grows, dense vs a fixed budget, in one run.
 For each context length (default 512 to 8,192 tokens at the end of the run:
 a prompt of random ids from the vocabulary's ordinary range, then
 `--new-tokens` decoded greedily, EOS ignored), one sequence runs, first
-dense, then with `--policy` at a budget of `--budget-tokens` per (layer,
+dense, then with `--policy` at a budget of `--budget` per (layer,
 kv-head). Reported per (length, policy): KV bytes held at the end and the peak
 during the run (the pool's own accounting: pages x page bytes), prefill time,
 and decode tokens/s. Dense KV grows linearly with the context; a budgeted
@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from kvpop.flags import add_budget
 from kvpop.model_store import model_arg
 
 
@@ -26,7 +27,7 @@ def add_arguments(p) -> None:
                    help="context lengths at the end of each run (prompt + new tokens)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--policy", default="h2o")
-    p.add_argument("--budget-tokens", type=int, default=512)
+    add_budget(p, type=int, default=512, help="tokens per (layer, kv-head) of the budgeted policy")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--prefill-chunks", default="512",
                    help="comma-separated prompt chunk sizes (compute's KVPOP_PREFILL_CHUNK) to run the budgeted "
@@ -92,7 +93,7 @@ def bench(args) -> dict:
     runs = [(n, pol, c) for n in lengths for pol, cs in (("dense", chunks[:1]), (args.policy, chunks)) for c in cs]
     for n, pol, chunk in tqdm(runs, desc="bench context", unit="run"):
         prompt = torch.randint(lo, hi, (n - args.new_tokens,), generator=torch.Generator().manual_seed(args.seed + n)).tolist()
-        ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget_tokens)
+        ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget)
         engine.scheduler.prefill_chunk = chunk
         r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}-{chunk}")
         rows.append({"length": n, "policy": pol, "prefill_chunk": chunk, "kv_bytes_at_end": r["resident_blocks"] * page,
@@ -104,7 +105,7 @@ def bench(args) -> dict:
             b["decode_speedup"] = b["decode_tok_s"] / d["decode_tok_s"]
             b["prefill_vs_dense"] = b["prefill_s"] / d["prefill_s"]
     return {"command": "kvpop bench context", "model": str(args.model), "policy": args.policy,
-            "budget_tokens": args.budget_tokens, "block_size": args.block_size, "new_tokens": args.new_tokens,
+            "budget_tokens": args.budget, "block_size": args.block_size, "new_tokens": args.new_tokens,
             "threads": torch.get_num_threads(), "rows": rows}
 
 

@@ -22,19 +22,26 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser(load: list[str]) -> argparse.ArgumentParser:
+    """The `kvpop` parser, with the flags of the subcommands named in `load`
+    (their modules are imported; the others' only at use)."""
     parser = argparse.ArgumentParser(prog="kvpop", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    # Only the chosen subcommand's module is imported.
-    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        if name == chosen:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name in load:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
+            p.epilog = getattr(mod, "EPILOG", None)
             p.set_defaults(_run=mod.run)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Only the chosen subcommand's module is imported.
+    chosen = [argv[0]] if argv and argv[0] in SUBCOMMANDS else []
+    args = build_parser(chosen).parse_args(argv)
     return int(args._run(args) or 0)
 
 

@@ -11,7 +11,14 @@ import sys
 import time
 from pathlib import Path
 
+from kvpop.flags import add_budget
 from kvpop.launcher import STATE_FILE, default_state_dir
+from kvpop.policy_names import POLICIES
+from kvpop.task_model_note import note_for
+
+
+EPILOG = ("Text goes to stdout as it arrives, then one usage line to stderr. Exit status: 0 when the "
+          "stream finished, 1 on a gRPC error (printed as STATUS: message), 130 when interrupted.")
 
 
 def decisions(u) -> str:
@@ -61,15 +68,15 @@ def build_request(args: argparse.Namespace):
         value = getattr(args, name)
         if value is not None:
             setattr(req, name, value)
-    if args.kv_budget is not None:
-        b = args.kv_budget
+    if args.budget is not None:
+        b = args.budget
         try:
             if any(c in b for c in ".eE"):
                 req.budget_fraction = float(b)
             else:
                 req.budget_tokens = int(b)
         except ValueError:
-            raise SystemExit(f"kvpop generate: --kv-budget must be tokens (512) or a fraction (0.25), got {b!r}") \
+            raise SystemExit(f"kvpop generate: --budget must be tokens (512) or a fraction (0.25), got {b!r}") \
                 from None
     return req
 
@@ -79,17 +86,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", metavar="MESSAGE",
                    help="send MESSAGE as the user's turn of a chat, rendered with the model's chat template")
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
-    p.add_argument("--max-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--logprobs", action="store_true")
-    p.add_argument("--policy", help="eviction policy (default: the server's)")
-    p.add_argument("--kv-budget", help="KV budget: tokens (512) or a fraction of the length (0.25)")
+    p.add_argument("--max-tokens", type=int, help="most tokens to generate (server default 128)")
+    p.add_argument("--temperature", type=float, help="sampling temperature >= 0; 0 (the default) is greedy")
+    p.add_argument("--top-p", type=float, help="nucleus sampling: keep the likeliest tokens up to this mass, (0, 1]")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens; 0 (the default) is off")
+    p.add_argument("--seed", type=int, help="sampling seed: the same seed and request give the same tokens")
+    p.add_argument("--repetition-penalty", type=float, help="> 1 makes tokens already seen less likely; 1 is off")
+    p.add_argument("--stop", action="append", help="stop string (repeatable); it is not part of the output")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--logprobs", action="store_true", help="ask for each token's log-probability")
+    p.add_argument("--policy", metavar="POLICY",
+                   help=f"eviction policy: {', '.join(POLICIES)} (default: the server's, `kvpop up --policy`)")
+    add_budget(p, help="KV budget per (layer, kv-head): tokens (512) or a fraction of prompt + max tokens (0.25); "
+                          "default: the server's (KVPOP_DEFAULT_BUDGET)")
     p.add_argument("--sink-tokens", type=int, help="first positions never evicted (server default 4)")
     p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 8)")
     p.add_argument("--evict-after-prompt", action="store_true",
@@ -99,12 +108,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hold up to N times the budget while the prompt is prefilled, then the budget "
                         "(between the default, 1, and --evict-after-prompt)")
     p.add_argument("--session", help="session id (stored in Redis)")
-    p.add_argument("--request-id")
+    p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
                    "(default: the gateway counts by IP address)")
-    p.add_argument("--address", help="gateway HOST:PORT (default: from .kvpop/stack.json)")
-    p.add_argument("--state-dir", type=Path, default=None, help="state folder of `kvpop up` (default .kvpop)")
+    p.add_argument("--address", help="gateway HOST:PORT (default: $KVPOP_GATEWAY_ADDRESS, else the stack "
+                                      "in the state folder)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="state folder of `kvpop up` (default: $KVPOP_STATE_DIR, else .kvpop)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def _note_task_model(stub, args: argparse.Namespace) -> None:
+    """One line on stderr when the request does not fit the default task model."""
+    import grpc
+
+    from kvpop.pb import generate_pb2
+
+    try:
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
+    except grpc.RpcError:
+        return      # Generate reports the gateway's state itself
+    note = note_for(info, args.prompt, chat=args.chat is not None)
+    if note:
+        print(note, file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.KVpopStub(channel)
         md = (("x-client-id", args.client_id),) if args.client_id else None
+        _note_task_model(stub, args)
         call = stub.Generate(req, timeout=args.timeout, metadata=md)
         try:
             for resp in call:

@@ -1,5 +1,5 @@
 """NVIDIA kvpress's presses on the prompts of `kvpop eval --suite real`, on the
-transformers model: the peer reference for docs/evaluation_real.md. Run it
+transformers model: the peer reference for docs/results/long-context.md. Run it
 with scripts/compare_kvpress.sh (kvpress pins an older transformers, so it
 has its own venv).
 

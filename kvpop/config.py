@@ -205,8 +205,9 @@ class GatewayConfig(ServerConfig):
     heartbeat_s: float = setting("KVPOP_HEARTBEAT_S", 3.0, "replica heartbeat interval (as compute's)")
     default_policy: str = setting("KVPOP_DEFAULT_POLICY", "learned", "policy when a request names none")
     default_budget: str = setting("KVPOP_DEFAULT_BUDGET", "0.25",
-                                  "kv budget when a request sets none: tokens ('512'), a fraction "
-                                  "('0.25') or '' (then every policy but dense needs one)")
+                                  "kv budget when a request sets none: tokens per (layer, kv-head) ('512'), "
+                                  "a fraction of the request's prompt + max_tokens ('0.25') or '' (then every "
+                                  "policy but dense needs one)")
     max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
                                     "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
     max_tokens_limit: int = setting("KVPOP_MAX_TOKENS_LIMIT", 4096,

@@ -32,6 +32,7 @@ from pathlib import Path
 from kvpop.launcher_down import stop_stack
 from kvpop.model_store import estimator_arg, model_arg, resolve_model
 from kvpop.paths import REPO_ROOT
+from kvpop.policy_names import POLICIES
 from kvpop.stack import (SERVICES, STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack,  # noqa: F401 (re-exported)
                          _died, default_state_dir, free_port, proc_start_time, proc_uptime)
 
@@ -356,8 +357,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--port", type=int, help="gateway port (default: a free one)")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the services")
-    p.add_argument("--policy", help="default eviction policy of the gateway")
-    p.add_argument("--budget", help="default kv budget: tokens ('512') or a fraction ('0.25')")
+    p.add_argument("--policy", metavar="POLICY",
+                   help=f"the gateway's default eviction policy: {', '.join(POLICIES)} (default learned)")
+    p.add_argument("--budget", help="the gateway's default KV budget per (layer, kv-head): tokens ('512') or a "
+                                    "fraction of prompt + max tokens ('0.25', the default)")
     p.add_argument("--device", help="compute device: cpu, cuda, auto")
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
     p.add_argument("--block-size", type=int, help="KV block size in positions")
@@ -365,7 +368,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="value-estimation checkpoint(s) for the cache-manager: files or shipped names, "
                         "comma-separated (default: the model folder's estimator*.safetensors, routed by "
                         "prompt length), e.g. smollm2-135m-long")
-    p.add_argument("--state-dir", type=Path, default=None, help="where stack.json and logs/ go (default .kvpop)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where stack.json and logs/ go (default: $KVPOP_STATE_DIR, else .kvpop)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--no-supervisor", action="store_true",
                    help="start no supervisor: a service that exits stays down")
@@ -393,8 +397,10 @@ def run(args: argparse.Namespace) -> int:
         print("kvpop up: interrupted; stopped what had started", file=sys.stderr)
         return 130
     print(f"model: {_model_line(stack.gateway)}", file=sys.stderr)
-    print(f"logs and state in {state_dir}; metrics at {', '.join(stack.metrics.values())}", file=sys.stderr)
+    print(f"gateway (gRPC, kvpop.v1.KVpop): {stack.gateway}", file=sys.stderr)
+    print("metrics: " + ", ".join(f"{name} {url}" for name, url in stack.metrics.items()), file=sys.stderr)
+    print(f"logs and state in {state_dir}", file=sys.stderr)
     if stack.token_file:
         print(f"internal token (compute, cache-manager) in {stack.token_file}, mode 0600", file=sys.stderr)
-    print(stack.gateway)
+    print(stack.gateway)     # stdout: the address alone, for scripts (ADDR=$(kvpop up))
     return 0

@@ -20,6 +20,10 @@ from pathlib import Path
 
 from kvpop.launcher import SUPERVISOR, Stack, default_state_dir, proc_uptime
 
+EPILOG = ("Exit status: 0 when every service is up and SERVING and the supervisor runs; 1 otherwise "
+          "(a crash loop, a dead process, a service not SERVING, a degraded capability); 2 when there is "
+          "no stack in the state folder.")
+
 # Health names each service reports besides readiness "" (services/*/server.py).
 CAPABILITIES = {
     "gateway": ["kvpop.gateway.redis"],
@@ -104,7 +108,23 @@ def collect(stack: Stack, env: dict[str, str] | None = None) -> dict:
         out["processes"].append(row)
     if not stack.has(SUPERVISOR):
         out["supervisor"] = "not started (nothing restarts a service that exits)"
+    gw = next((r for r in out["processes"] if r["name"] == "gateway"), None)
+    out["model"] = served_model(stack.gateway) if gw and gw["ok"] else None
     return out
+
+
+def served_model(gateway: str, timeout: float = 5.0) -> str | None:
+    """The served model's name (its folder's name: `default` for the embedded one), or None."""
+    import grpc
+
+    from kvpop.pb import generate_pb2, generate_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(gateway) as ch:
+            return generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(),
+                                                                timeout=timeout).name
+    except grpc.RpcError:
+        return None
 
 
 def _duration(s: float | None) -> str:
@@ -115,7 +135,7 @@ def _duration(s: float | None) -> str:
 
 
 def render(status: dict) -> str:
-    lines = [f"stack in {status['state_dir']}, gateway {status['gateway']}"]
+    lines = [f"stack in {status['state_dir']}, gateway {status['gateway']}, model {status.get('model') or '-'}"]
     if "supervisor" in status:
         lines.append(f"supervisor: {status['supervisor']}")
     for r in status["processes"]:

@@ -217,7 +217,8 @@ class Supervisor:
         up = now - t.started_mono
         t.last_exit, t.last_exit_at, t.state = status, time.time(), "restarting"
         if t.requested:
-            t.requested, t.due = False, now
+            # `kvpop status` then reads `restarts N (last: restart requested)`, not a failure.
+            t.requested, t.due, t.last_exit = False, now, "restart requested"
             log.info("%s (pid %d) stopped for a requested restart (%s)", t.name, proc.pid, status)
             return
         t.quick_exits = 0 if t.ready or up >= STABLE_S else t.quick_exits + 1

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # NVIDIA kvpress's presses on the same real-text prompts as `kvpop eval --suite real`,
-# on the transformers model, as the peer reference (docs/evaluation_real.md).
+# on the transformers model, as the peer reference (docs/results/long-context.md).
 # kvpress pins transformers < 5.3 (the test extra takes a newer one), so it gets its
 # own venv, .venv-compare, with the `compare` extra. Arguments go to `python -m kvpop.compare_kvpress`.
 set -euo pipefail

@@ -1,7 +1,7 @@
 """Where a real-text needle is lost under `learned`: plan by plan, how many
 (layer, kv-head) rows still hold every token of the expected value, and at the
 end, per row, how many of those tokens it holds next to how much the dense
-model's answer reads them there (docs/estimator.md, "Where an 8k needle is lost").
+model's answer reads them there (docs/design/estimator.md, "Tried and not shipped": spans).
 
     .venv/bin/python scripts/needle_rows.py --seed 1 --index 0 --length 8192 --compression 0.875
 

@@ -1,5 +1,5 @@
 """Bar chart of docs/long_context_87.json (accuracies gathered from the
-`kvpop eval` and `scripts/compare_kvpress.sh` runs docs/evaluation_real.md
+`kvpop eval` and `scripts/compare_kvpress.sh` runs docs/results/long-context.md
 lists) -> docs/img/long_context_87.png.
 
     .venv/bin/python scripts/plot_long_context.py

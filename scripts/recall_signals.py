@@ -9,8 +9,8 @@ For each asked value token, its rank among every later prompt token under:
   token outside an 8-token recent window, per query head: "this token just
   retrieved something from far back".
 
-Neither is a feature the estimator has yet; docs/estimator.md ("What the
-served model's attention says about recall") reports what this printed.
+Reach, as compute measures it, is the estimator's `reach` input; the bank is not
+an input (docs/design/estimator.md, "Network").
 
     .venv/bin/python scripts/recall_signals.py [--n 12] [--seed 5]
 """

@@ -156,7 +156,7 @@ def run(args) -> int:
         return 2
 
     advisor = None
-    if uses_network:   # the cache-manager's own scoring, in process (docs/estimator.md)
+    if uses_network:   # the cache-manager's own scoring, in process (docs/design/estimator.md)
         from kvpop.evaluation.local_advisor import LocalAdvisor
         advisor = LocalAdvisor(checkpoint)
         print(f"learned: {advisor.planner.loaded}")

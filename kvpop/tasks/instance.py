@@ -44,7 +44,7 @@ class Builder:
         """mark: the answer needs these words, and the one after them: the trained
         model reads a key/value pair from the position that follows it (a
         pair's successor carries it two tokens back), so an oracle without it
-        fails (measured in docs/evaluation.md)."""
+        fails (measured in docs/results/eviction-quality.md)."""
         start = len(self.words) + 1
         self.words.extend(words)
         if mark:

@@ -4,7 +4,7 @@ asks for the committed value, so only that one line matters and every
 superseded write is dead weight. The `:=` marker makes the look-up one
 attention step (match register + marker, copy the value): finding the latest
 of several identical `c =` writes by recency alone did not train in the CPU
-budget (see docs/default_model.md)."""
+budget (see docs/guides/default-model.md)."""
 from __future__ import annotations
 
 import random

@@ -174,7 +174,7 @@ def trace(model, ids: list[int], prompt_len: int, cfg: TraceConfig, rng: random.
     # The answer's queries stop at its content: the queries that write an end marker
     # (`.`, EOS) and the EOS position's (never run in serving) look at the writes'
     # `;` and not at what the question asked, and weighing them paid `;` more than
-    # the commits a question might ask (docs/estimator.md, "The answer's own queries").
+    # the commits a question might ask (docs/design/estimator.md, "Training data").
     answer_end = T if answer_len is None else min(T, first_answer_query + max(1, answer_len))
     windows, answer = [], []
     for t in pick:

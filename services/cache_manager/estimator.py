@@ -55,30 +55,30 @@ class EstimatorConfig:
     block_sizes: list = field(default_factory=list)
     # Each block also sees a small summary of its features in every row (layer x kv-head)
     # of the sequence: a row alone cannot tell which of its values a question asked for,
-    # other rows' keys and attention can (docs/estimator.md, "Recall at 87.5%").
+    # other rows' keys and attention can (docs/design/estimator.md, "Network").
     cross_rows: bool = False
     cross_dim: int = 8
     # The curve also weighs each block's KeyDiff score at plan time (cosine distance of
     # its key to the mean key of the row's known blocks), which moves as the row grows:
     # distinctive keys (a register's commit among its many writes) are what the KeyDiff
-    # heuristic keeps. Tried, level with the plain network (docs/estimator.md, "The
-    # answer's own queries"); the shipped checkpoints have it off.
+    # heuristic keeps. It ranks no better than the plain network (docs/design/estimator.md,
+    # "Tried and not shipped"); the shipped checkpoints have it off.
     key_diff: bool = False
     # Each block also sees its "reach" (compute's peak block mass of the block's own
     # queries outside their recent window): a recall value that just found its key's
     # earlier mention in the question reaches far back; its neighbours do not
-    # (docs/estimator.md, "What the served model's attention says about recall").
+    # (docs/design/estimator.md, "Network").
     reach: bool = False
     # Each block also sees the cross-row summary of the block just before it: at block
     # size 1 a recall value's predecessor is its key, whose deeper-layer features say
-    # more about "was this pair asked" than the value's own (docs/estimator.md,
-    # "The previous block as an input"). Needs cross_rows.
+    # more about "was this pair asked" than the value's own (docs/design/estimator.md,
+    # "Network"). Needs cross_rows.
     prev_block: bool = False
     # Each row's score also gets a linear term of every row's reach for the same block:
     # at block size 16 the two layer-1 rows' reach alone ranks a recall question's pairs
-    # above the network itself (AUC 0.80 against 0.70; docs/estimator.md, "Block size
-    # 16 and recall"). Tried: the weights stayed small and the network's ranking did not
-    # move (the loss, not the input, is the limit); no shipped checkpoint sets it. Needs reach.
+    # above the network itself (AUC 0.80 against 0.70). Trained with it, the weights stay
+    # small and the ranking does not move: the loss, not the input, is the limit
+    # (docs/design/estimator.md, "Tried and not shipped"); no shipped checkpoint sets it. Needs reach.
     reach_skip: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 

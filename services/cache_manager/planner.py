@@ -51,7 +51,7 @@ def route(scorers: list, prompt_tokens: int, block_size: int = 0):
     prompt; past all of them, one with no stated limit, else the one trained
     longest. An unknown length (0) takes the first (the primary). Networks fit
     for short prompts lose answers on long ones and the other way round
-    (docs/estimator.md, "Several networks")."""
+    (docs/design/estimator.md, "Several networks")."""
     if len(scorers) > 1:
         made_for = [s for s in scorers if block_size > 0 and block_size in s.model.cfg.block_sizes]
         scorers = made_for or [s for s in scorers if not s.model.cfg.block_sizes] or scorers
@@ -197,7 +197,7 @@ class Planner:
     def _check_block_size(self, block_size: int) -> None:
         """Say once per block size when the network was trained on others: at block
         sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked
-        below the keydiff heuristic in our eval (docs/evaluation.md)."""
+        below the keydiff heuristic in our eval (docs/results/eviction-quality.md)."""
         key = ("block_size", block_size)
         if key in self._checked:   # every features batch comes here: check each block size once
             return

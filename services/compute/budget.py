@@ -17,8 +17,8 @@ class EvictionParams:
     policy: str = "dense"
     budget: int | float | None = None  # tokens (int) or fraction of prompt + max_tokens (float)
     sink: int = 4
-    # 8, as the eval runs every policy: at 93.75% of a ~1k-token prompt a 32-token window takes half the
-    # budget, and learned fell from 0.945 to 0.648 (docs/evaluation.md, "The recent window").
+    # 8, as the eval runs every policy: at 93.75% of a ~1k-token prompt a 32-token window would take half
+    # the budget and leave the ranking half as much to choose (docs/guides/policies-and-budgets.md).
     recent: int = 8
     block_size: int | None = None      # None: the engine's block size
     after_prompt: bool = False         # hold the budget from the end of the prompt on (prefill in full)

@@ -1,4 +1,4 @@
-"""LLMEngine: the in-process engine (docs/internals.md, "Engine API").
+"""LLMEngine: the in-process engine (docs/design/internals.md, "Engine API").
 
 One ``step()`` = admit, run one mixed prefill/decode forward, sample, stream
 text, then run the eviction rounds of every sequence it touched. Evaluation,
@@ -59,8 +59,8 @@ class EngineConfig:
     prefill_headroom_chunks: int = 2      # prefill overshoot all budgeted sequences share (scheduler.py)
     # Decode: blocks a learned sequence may run over while its plan comes. Small
     # on purpose: a sequence held for its plan is the back-pressure that keeps
-    # compute from outrunning the cache-manager (16 tokens of slack at block size
-    # 1 let compute flood it: network share fell from 100% to 16-75% under load).
+    # compute from outrunning the cache-manager (with 16 tokens of slack at block
+    # size 1 under load, only 16-75% of evictions are network-ranked, not 100%).
     plan_slack_blocks: int = 2
     plan_wait_s: float = 2.0              # most a learned sequence is held for a plan before the fallback
     # Decode: features go to the advisor (and a plan comes back) once this many tokens'

@@ -247,7 +247,7 @@ def drop_outside_window(seq: Sequence, pool: KVPool, window: int) -> None:
 
 
 def shrink_budget(seq: Sequence, pool: KVPool, to: int) -> None:
-    """Cleanup (docs/design.md, protocol step 6): lower the budget to ``to``
+    """Cleanup (docs/design/architecture.md, protocol step 6): lower the budget to ``to``
     (the scheduler chooses it, at or above the floor) and evict now."""
     st = seq.eviction
     st.budget_blocks = to

@@ -1,4 +1,4 @@
-"""The engine's side of the eviction protocol (docs/design.md, "The eviction
+"""The engine's side of the eviction protocol (docs/design/architecture.md, "The eviction
 protocol"): after each step, budgeted sequences' eviction rounds; for
 `learned` ones also the features sent to the advisor, the plans taken from
 it, the bounded wait for a plan and the local fallback when none comes.

@@ -18,7 +18,7 @@ concurrency scales with the budget, not with the chunk size. A budgeted
 prompt is cut at fixed positions (multiples of its chunk) whatever else
 runs, so where its eviction rounds fall does not depend on the load. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
-their floor (docs/design.md, protocol step 6; a shrunk budget is not restored later); a
+their floor (docs/design/architecture.md, protocol step 6; a shrunk budget is not restored later); a
 request that still does not fit waits.
 
 Pages held outside running sequences (the prefix cache, parked sessions:

@@ -50,6 +50,10 @@ def test_up_generate_down(tmp_path):
         assert {p["name"] for p in stack["processes"]} == {"redis", "cache-manager", "compute", "gateway",
                                                             "supervisor"}
         assert "gateway        SERVING" in up.stderr
+        # Every address labelled: the gateway's, and each service's metrics URL by name.
+        assert f"gateway (gRPC, kvpop.v1.KVpop): {stack['gateway']}" in up.stderr
+        for name, url in stack["metrics"].items():
+            assert f"{name} {url}" in up.stderr
         # Closed by default: a fresh internal token only this user can read.
         token = state / "internal_token"
         assert stack["token_file"] == str(token) and (token.stat().st_mode & 0o777) == 0o600
@@ -69,7 +73,7 @@ def test_up_generate_down(tmp_path):
         # (the cache-manager's heuristic: no estimator fits this model).
         story = "Once upon a time " * 20
         gen = kvpop("generate", story, "--max-tokens", "16", "--ignore-eos", "--policy", "learned",
-                    "--kv-budget", "0.25", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50",
+                    "--budget", "0.25", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50",
                     "--stop", "zzzz", "--session", "cli-test", state_dir=state, timeout=60)
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip(), "no text streamed"
@@ -78,7 +82,7 @@ def test_up_generate_down(tmp_path):
         assert f"estimator loaded from {net}" in (state / "logs" / "cache-manager.log").read_text()
         # Same seed, same text: served learned evictions do not depend on timing.
         same = [kvpop("generate", story, "--max-tokens", "16", "--ignore-eos", "--policy", "learned",
-                      "--kv-budget", "0.25", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9",
+                      "--budget", "0.25", "--seed", "3", "--temperature", "0.8", "--top-p", "0.9",
                       "--top-k", "50", state_dir=state, timeout=60) for _ in range(2)]
         assert same[0].returncode == 0 and same[0].stdout.strip() and same[0].stdout == same[1].stdout
 

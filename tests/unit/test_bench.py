@@ -44,7 +44,7 @@ def test_bench_prefix_small(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["engine", "--model", "/nonexistent"], "not a model folder"),
-    (["engine", "--kv-budget", "0", "--skip-hf"], "--kv-budget"),
+    (["engine", "--budget", "0", "--skip-hf"], "--budget"),
     (["engine", "--new-tokens", "1", "--skip-hf"], "--new-tokens"),
     (["prefix", "--requests", "0"], "--requests"),
 ])

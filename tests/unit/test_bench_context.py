@@ -13,7 +13,7 @@ def test_dense_grows_budget_stays_flat(tmp_path):
     p = argparse.ArgumentParser()
     bench_context.add_arguments(p)
     args = p.parse_args(["--model", str(DEFAULT_MODEL_DIR), "--lengths", "128,256,512", "--new-tokens", "8",
-                         "--budget-tokens", "64", "--json", str(tmp_path / "c.json"),
+                         "--budget", "64", "--json", str(tmp_path / "c.json"),
                          "--plot", str(tmp_path / "c.png")])
     assert bench_context.run(args) == 0
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
@@ -29,7 +29,7 @@ def test_a_smaller_prefill_chunk_lowers_the_peak(tmp_path):
     p = argparse.ArgumentParser()
     bench_context.add_arguments(p)
     args = p.parse_args(["--model", str(DEFAULT_MODEL_DIR), "--lengths", "512", "--new-tokens", "8",
-                         "--budget-tokens", "64", "--block-size", "16", "--prefill-chunks", "256,64",
+                         "--budget", "64", "--block-size", "16", "--prefill-chunks", "256,64",
                          "--json", str(tmp_path / "c.json")])
     assert bench_context.run(args) == 0
     rows = {(r["policy"], r["prefill_chunk"]): r for r in json.loads((tmp_path / "c.json").read_text())["rows"]}

@@ -79,7 +79,7 @@ def test_services_and_structure(compose):
     assert set(svcs) == {"redis", "cache-manager", "compute", "gateway", "otel-collector", "jaeger"}
     redis = svcs["redis"]
     assert "--appendonly" in redis["command"] and "yes" in redis["command"]
-    # At most the last second of writes lost when Redis is killed (docs/reliability.md).
+    # At most the last second of writes lost when Redis is killed (docs/guides/operations.md).
     assert redis["command"][redis["command"].index("--appendfsync") + 1] == "everysec"
     assert any(v.endswith(":/data") for v in redis["volumes"])
     assert "redis-data" in compose["volumes"]

@@ -420,8 +420,8 @@ def test_planner_routes_a_sequence_to_the_network_made_for_its_block_size(tmp_pa
 
 
 def test_the_default_model_routes_block_sizes_1_and_16_to_their_own_networks():
-    """models/default ships three networks (docs/estimator.md, "The previous block as
-    an input", "A network for block size 16"): estimator-bs1 (reads reach and the
+    """models/default ships three networks (docs/design/estimator.md, "The shipped
+    networks"): estimator-bs1 (reads reach and the
     previous block, made for block size 1), estimator-bs16 (traced at block size 16
     only) and the primary for every other block size."""
     import json

@@ -1,4 +1,4 @@
-"""The layers of docs/design.md, read from the code's own imports: the runtime
+"""The layers of docs/design/architecture.md, read from the code's own imports: the runtime
 (kvpop's shared modules) and the kernels at the bottom, the services above
 them, the tools (CLI, benchmarks, eval, training, tasks) on top. Nothing
 imports what is above it, and no service imports another service."""

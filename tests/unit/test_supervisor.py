@@ -95,6 +95,7 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
                    "the requested restart")
         s = wait_until(lambda: (s := status()) and s["steady"]["restarts"] == 3 and s, 5, "the status file")
         assert s["steady"]["quick_exits"] == 0 and not s["steady"]["crash_loop"]
+        assert s["steady"]["last_exit"] == "restart requested"
         assert not (tmp_path / "control" / "restart-steady").exists()
 
         # Stopping the supervisor stops nothing else.
