@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--policy", default="h2o")
     add_budget(p, type=int, default=512, help="tokens per (layer, kv-head) of the budgeted policy")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=1, help="positions per block (eviction); pages hold 16")
     p.add_argument("--prefill-chunks", default="512",
                    help="comma-separated prompt chunk sizes (compute's KVPOP_PREFILL_CHUNK) to run the budgeted "
                         "policy at: its peak is about budget + chunk, its prefill more rounds per prompt")
@@ -81,10 +81,12 @@ def bench(args) -> dict:
     chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
     if not chunks or min(chunks) < 1:
         raise ValueError("--prefill-chunks takes positive token counts")
-    pages = rows_of * max(longest // args.block_size + 2, 8 * (max(chunks) // args.block_size + 2)) + 64
+    pp = args.block_size * max(1, 16 // args.block_size)          # the engine's page (EngineConfig.page_size)
+    pages = rows_of * max(longest // pp + 2, 8 * (max(chunks) // pp + 2)) + 64
     engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
                                     num_pages=pages, max_num_seqs=2, max_model_len=longest + args.block_size))
-    page = KVPool.page_bytes(args.block_size, engine.model.config.head_dim, engine.model.dtype)
+    block = KVPool.page_bytes(args.block_size, engine.model.config.head_dim, engine.model.dtype)
+    page = KVPool.page_bytes(engine.pool.page_size, engine.model.config.head_dim, engine.model.dtype)
     g = torch.Generator().manual_seed(args.seed)
     # Ordinary ids only (no specials at the low end), as text would give.
     lo, hi = 256, cfg["vocab_size"] - 1
@@ -96,7 +98,7 @@ def bench(args) -> dict:
         ev = EvictionParams("dense") if pol == "dense" else EvictionParams(pol, args.budget)
         engine.scheduler.prefill_chunk = chunk
         r = _one(engine, prompt, args.new_tokens, ev, f"{pol}-{n}-{chunk}")
-        rows.append({"length": n, "policy": pol, "prefill_chunk": chunk, "kv_bytes_at_end": r["resident_blocks"] * page,
+        rows.append({"length": n, "policy": pol, "prefill_chunk": chunk, "kv_bytes_at_end": r["resident_blocks"] * block,
                      "peak_kv_bytes": r["peak_pages"] * page, **r})
     for n in lengths:
         d = next(r for r in rows if r["length"] == n and r["policy"] == "dense")

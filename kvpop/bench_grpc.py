@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
                    help="concurrent streams per round (one table row per value)")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5, help="rounds per path, interleaved")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a small run (checks that it works, not a speed)")
     p.add_argument("--json", type=Path, default=None)
 

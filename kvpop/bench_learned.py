@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--block-size", type=int, default=16, help="block size of the stack it starts")
+    p.add_argument("--block-size", type=int, default=1, help="block size of the stack it starts")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
 

@@ -61,9 +61,17 @@ def add_arguments(p) -> None:
     p.add_argument("--rates", default="4,inf", help="offered requests/s, comma-separated; inf = all at once")
     p.add_argument("--new-tokens", type=int, default=256, help="tokens generated per request (EOS ignored)")
     p.add_argument("--requests", type=int, default=96, help="requests per (policy, rate)")
-    p.add_argument("--num-pages", type=int, default=6000, help="KV pool pages of the stack it starts")
+    p.add_argument("--num-pages", type=int, default=6000,
+                   help="KV pool pages of the stack it starts, of --page-size positions (a layout with other "
+                        "pages gets a pool of the same memory)")
     p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=1, help="positions per block, the unit of eviction")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV page, the unit of memory")
+    p.add_argument("--layouts", metavar="B/P[,B/P]",
+                   help="one stack per layout (block size / page size), every policy and rate on each, pools of "
+                        "the same memory: e.g. 1/16,16/16,1/1 compares the default (token-level decisions, "
+                        "16-token pages) with whole-block eviction and one page per token. Default: "
+                        "--block-size/--page-size")
     p.add_argument("--sink", type=int, default=4, help="sink tokens of every request")
     p.add_argument("--recent", type=int, default=8, help="recent-window tokens of every request (the eval's 8)")
     p.add_argument("--seed", type=int, default=0)
@@ -219,28 +227,52 @@ def run(args) -> int:
         print("kvpop bench serve: --prefill-chunks takes positive token counts, and starts its own stacks "
               "(not with --via)")
         return 2
+    try:
+        layouts = parse_layouts(args.layouts) if args.layouts else [(args.block_size, args.page_size)]
+    except ValueError as e:
+        print(f"kvpop bench serve: {e}")
+        return 2
+    if args.via and args.layouts:
+        print("kvpop bench serve: --layouts starts its own stacks (not with --via)")
+        return 2
     rows, client_cpu = [], 0.0
-    for chunk in [int(c) for c in chunks] or [None]:      # None: compute's own setting
-        got, cpu = _serve_on_stack(args, insts, policies, rates, chunk)
-        rows += [{**r, "prefill_chunk": chunk} for r in got]
-        client_cpu += cpu
+    for layout in layouts:
+        for chunk in [int(c) for c in chunks] or [None]:      # None: compute's own setting
+            got, cpu = _serve_on_stack(args, insts, policies, rates, chunk, layout)
+            rows += [{**r, "prefill_chunk": chunk, "layout": f"{layout[0]}/{layout[1]}"} for r in got]
+            client_cpu += cpu
     write(args, rows, policies, rates, client_cpu)
     return 0
 
 
-def _serve_on_stack(args, insts, policies, rates, chunk: int | None) -> tuple[list[dict], float]:
-    """serve() on --via's stack, or on one started for the run (with ``chunk`` as compute's prompt chunk)."""
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """'1/16,16/16' -> [(1, 16), (16, 16)]: block size / page size, the page a multiple of the block."""
+    out = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        b, _, pg = part.partition("/")
+        if not (b.isdigit() and pg.isdigit() and int(b) > 0 and int(pg) > 0 and int(pg) % int(b) == 0):
+            raise ValueError(f"--layouts takes BLOCK/PAGE pairs, the page a multiple of the block; got {part!r}")
+        out.append((int(b), int(pg)))
+    return out
+
+
+def _serve_on_stack(args, insts, policies, rates, chunk: int | None,
+                    layout: tuple[int, int] | None = None) -> tuple[list[dict], float]:
+    """serve() on --via's stack, or on one started for the run (with ``chunk`` as compute's prompt chunk,
+    ``layout`` as its block and page sizes, and a pool of --num-pages pages of --page-size's memory)."""
     stack = None
     address, compute = args.via, args.compute
     if not args.via:
         from kvpop.launcher import start_stack
+        block, page = layout or (args.block_size, args.page_size)
+        pages = max(2, args.num_pages * args.page_size // page)
         extra = ["--prefill-chunk", str(chunk)] if chunk is not None else []
-        print(f"starting a stack on {args.model}: {args.num_pages} KV pages, block size {args.block_size}, "
+        print(f"starting a stack on {args.model}: {pages} KV pages of {page} positions, block size {block}, "
               f"max {args.max_num_seqs} sequences{f', prefill chunk {chunk}' if chunk else ''} ...")
         stack = start_stack(Path(tempfile.mkdtemp(prefix="kvpop-bench-serve-")), model=args.model, timeout=180,
-                            service_args={"compute": ["--block-size", str(args.block_size), "--num-pages",
-                                                      str(args.num_pages), "--max-num-seqs", str(args.max_num_seqs),
-                                                      *extra]})
+                            service_args={"compute": ["--block-size", str(block), "--page-size", str(page),
+                                                      "--num-pages", str(pages),
+                                                      "--max-num-seqs", str(args.max_num_seqs), *extra]})
         address, compute = stack.gateway, stack.proc("compute").address
     try:
         return asyncio.run(serve(args, insts, policies, rates, address, compute,
@@ -251,13 +283,29 @@ def _serve_on_stack(args, insts, policies, rates, chunk: int | None) -> tuple[li
             stop_stack(stack, grace=5)
 
 
+def variant(r: dict) -> str:
+    """Which stack a row ran on: its layout (block/page) and prompt chunk, as far as they vary."""
+    parts = [f"layout {r['layout']}" if r.get("layout") else "", f"chunk {r['prefill_chunk']}"
+             if r.get("prefill_chunk") else ""]
+    return ", ".join(p for p in parts if p)
+
+
 def summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
-    """The ratios at the highest rate; with several prompt chunks, per chunk
-    (``by_prefill_chunk``), the first chunk's at the top level."""
-    chunks = list(dict.fromkeys(r.get("prefill_chunk") for r in rows))
-    if len(chunks) > 1:
-        per = {str(c): _summary([r for r in rows if r.get("prefill_chunk") == c], policies, rates) for c in chunks}
-        return {**per[str(chunks[0])], "by_prefill_chunk": per}
+    """The ratios at the highest rate; with several stacks (layouts, prompt
+    chunks), per stack (``by_variant``) and across them (``across``: each
+    stack's tokens/s of the first non-dense policy over the first stack's), the
+    first stack's at the top level."""
+    names = list(dict.fromkeys(variant(r) for r in rows))
+    if len(names) > 1:
+        per = {n: _summary([r for r in rows if variant(r) == n], policies, rates) for n in names}
+        top = "inf" if not math.isfinite(max(rates)) else max(rates)
+        tps = {(variant(r), r["policy"]): r["output_tokens_per_s"] for r in rows if r["rate"] == top}
+        across = {}
+        for p in policies:
+            base = tps.get((names[0], p))
+            if base:
+                across[p] = {n: round(tps[(n, p)] / base, 3) for n in names if (n, p) in tps}
+        return {**per[names[0]], "by_variant": per, "tokens_per_s_over_first": across}
     return _summary(rows, policies, rates)
 
 
@@ -284,13 +332,13 @@ def _summary(rows: list[dict], policies: list[str], rates: list[float]) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ["policy", "prefill chunk", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+    head = ["policy", "layout", "prefill chunk", "rate (req/s)", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
             "ITL p50/p99 ms", "peak running", "peak pages", "budget shrinks", "network", "accuracy", "errors"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
         out.append("| " + " | ".join(str(x) for x in [
-            r["policy"], r.get("prefill_chunk") or "-", r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
+            r["policy"], r.get("layout") or "-", r.get("prefill_chunk") or "-", r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
             f"{r['itl_p50_ms']:.1f} / {r['itl_p99_ms']:.1f}", r["peak_running"], r["peak_pages"],
             "-" if r.get("budget_shrinks") is None else r["budget_shrinks"], share,
@@ -308,7 +356,8 @@ def write(args, rows: list[dict], policies: list[str], rates: list[float], clien
     meta = {"command": "kvpop bench serve", "suite": args.suite, "requests": args.requests, "budget": args.budget,
             "new_tokens": args.new_tokens,
             "sink": args.sink, "recent": args.recent,
-            "num_pages": None if args.via else args.num_pages, "block_size": args.block_size, "seed": args.seed}
+            "num_pages": None if args.via else args.num_pages, "block_size": args.block_size,
+            "page_size": args.page_size, "layouts": args.layouts, "seed": args.seed}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": clean}, indent=1) + "\n")
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     md = markdown(clean)
@@ -324,8 +373,8 @@ def plots(rows, policies, rates, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     xs = {r: (i, str(r)) for i, r in enumerate(sorted({row["rate"] for row in rows}, key=lambda v: float(v)))}
-    several = len({r.get("prefill_chunk") for r in rows}) > 1
-    name = lambda r: f"{r['policy']}, chunk {r['prefill_chunk']}" if several else r["policy"]
+    several = len({variant(r) for r in rows}) > 1
+    name = lambda r: f"{r['policy']}, {variant(r)}" if several else r["policy"]
     fig, ax = plt.subplots(figsize=(5, 3.4))
     for label in dict.fromkeys(name(r) for r in rows):
         pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if name(r) == label)

@@ -58,7 +58,7 @@ def add_arguments(p) -> None:
     p.add_argument("--policies", default="dense,h2o,learned")
     p.add_argument("--sequences", default="14,96", help="decoding sequences per step, comma-separated")
     p.add_argument("--budget", type=float, default=0.125, help="budget fraction of non-dense policies")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=1, help="positions per block (eviction); pages hold 16")
     p.add_argument("--steps", type=int, default=48, help="timed steps (and as many counted)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
@@ -96,7 +96,8 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     prefill_steps = -(-sum(map(len, prompts)) // 512) + n
     max_tokens = prefill_steps + warm + 2 * args.steps + 8
     # Every sequence held dense at once (pages are per row and block), so none waits for another.
-    pages = sum(-(-(len(p) + max_tokens) // args.block_size) + 1 for p in prompts) \
+    page = args.block_size * max(1, 16 // args.block_size)      # the engine's page (EngineConfig.page_size)
+    pages = sum(-(-(len(p) + max_tokens) // page) + 1 for p in prompts) \
         * mc.num_layers * mc.num_kv_heads
     eng = LLMEngine(EngineConfig(model_dir, block_size=args.block_size, device=device, num_pages=pages,
                                  max_num_seqs=max(256, n), cleanup_threshold=float("inf")), advisor=advisor,

@@ -124,7 +124,9 @@ class ComputeConfig(ServerConfig):
                          _model_folder)
     device: str = setting("KVPOP_DEVICE", "auto", "cpu, cuda, cuda:N or auto")
     dtype: str = setting("KVPOP_DTYPE", "auto", "float32, bfloat16, float16 or auto (the checkpoint's)")
-    block_size: int = setting("KVPOP_BLOCK_SIZE", 16, "positions per KV block (1 = token-level eviction)")
+    block_size: int = setting("KVPOP_BLOCK_SIZE", 1, "positions per block: the unit of eviction (1 = token level)")
+    page_size: int = setting("KVPOP_PAGE_SIZE", 16, "positions per KV page: the unit of memory "
+                             "(a multiple of the block size; rounded down to one)")
     num_pages: int | None = setting("KVPOP_NUM_PAGES", None, "KV pool pages (default: sized by the engine)",
                                     _optional_int)
     max_num_seqs: int = setting("KVPOP_MAX_NUM_SEQS", 64, "most sequences decoding at once")
@@ -189,6 +191,8 @@ class ComputeConfig(ServerConfig):
             raise ConfigError("KVPOP_CLEANUP_THRESHOLD must be > 0 (a share of the pool, or 'inf')")
         if self.block_size < 1:
             raise ConfigError("KVPOP_BLOCK_SIZE must be >= 1")
+        if self.page_size < 1:
+            raise ConfigError("KVPOP_PAGE_SIZE must be >= 1")
         if self.max_num_seqs < 1:
             raise ConfigError("KVPOP_MAX_NUM_SEQS must be >= 1")
 

@@ -363,7 +363,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "fraction of prompt + max tokens ('0.25', the default)")
     p.add_argument("--device", help="compute device: cpu, cuda, auto")
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
-    p.add_argument("--block-size", type=int, help="KV block size in positions")
+    p.add_argument("--block-size", type=int, help="positions per block, the unit of eviction (default 1)")
+    p.add_argument("--page-size", type=int, help="positions per KV page, the unit of memory (default 16)")
     p.add_argument("--estimator", type=estimator_arg, default=None,
                    help="value-estimation checkpoint(s) for the cache-manager: files or shipped names, "
                         "comma-separated (default: the model folder's estimator*.safetensors, routed by "
@@ -378,7 +379,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     state_dir = args.state_dir.resolve() if args.state_dir else default_state_dir()
     compute = []
-    for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--block-size", args.block_size)):
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype), ("--block-size", args.block_size),
+                        ("--page-size", args.page_size)):
         if value is not None:
             compute += [flag, str(value)]
     gateway = ["--default-budget", args.budget] if args.budget is not None else []

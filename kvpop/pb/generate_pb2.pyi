@@ -142,7 +142,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_model_len", "block_size", "policies", "default_policy", "placeholder", "vocab_size", "dtype", "device", "chat_template", "plan_interval")
+    __slots__ = ("name", "architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "max_model_len", "block_size", "policies", "default_policy", "placeholder", "vocab_size", "dtype", "device", "chat_template", "plan_interval", "page_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     PLAN_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     architecture: str
     num_layers: int
@@ -175,4 +176,5 @@ class ModelInfo(_message.Message):
     device: str
     chat_template: bool
     plan_interval: int
-    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., policies: _Optional[_Iterable[str]] = ..., default_policy: _Optional[str] = ..., placeholder: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., chat_template: _Optional[bool] = ..., plan_interval: _Optional[int] = ...) -> None: ...
+    page_size: int
+    def __init__(self, name: _Optional[str] = ..., architecture: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., policies: _Optional[_Iterable[str]] = ..., default_policy: _Optional[str] = ..., placeholder: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., chat_template: _Optional[bool] = ..., plan_interval: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...

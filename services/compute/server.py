@@ -83,7 +83,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         device = resolve_device(cfg.device)
         dtype = resolve_dtype_name(cfg.dtype, device)
         ec = EngineConfig(model_dir=cfg.model, dtype=dtype, device=device, block_size=cfg.block_size,
-                          num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
+                          page_size=cfg.page_size, num_pages=cfg.num_pages, max_num_seqs=cfg.max_num_seqs,
                           session_ttl_s=cfg.session_kv_ttl_s, plan_wait_s=cfg.plan_wait_ms / 1000.0,
                           pipeline_decode_plans=cfg.pipeline_decode_plans, cleanup_threshold=cfg.cleanup_threshold,
                           plan_interval=cfg.plan_interval, prefill_chunk=cfg.prefill_chunk)
@@ -98,7 +98,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         self.model_info = generate_pb2.ModelInfo(
             name=Path(cfg.model).resolve().name, architecture=mc.architecture, num_layers=mc.num_layers,
             num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-            max_model_len=eng.max_model_len, block_size=cfg.block_size, policies=list(POLICY_NAMES),
+            max_model_len=eng.max_model_len, block_size=cfg.block_size, page_size=eng.page_size,
+            policies=list(POLICY_NAMES),
             placeholder=bool(raw.get("kvpop_placeholder", False)), vocab_size=mc.vocab_size,
             dtype=str(eng.model.dtype).removeprefix("torch."), device=device,
             chat_template=eng.tokenizer.chat_template is not None, plan_interval=cfg.plan_interval)
