@@ -28,8 +28,9 @@ import torch
 
 # Bound on the score matrix of one chunk in the fallback without the fused kernel (floats): 64 MB.
 _CHUNK_ELEMS = 1 << 24
-# Score matrices up to this many floats (16 MB) skip the fused kernel.
-_SMALL = 1 << 22
+# Score matrices up to this many floats (256 KB) skip the fused kernel: above it the fused kernel
+# wins on the CPU (token-level prompt chunks of a few hundred blocks were a third of a plan's time).
+_SMALL = 1 << 16
 
 
 def _direct(q, k, v, scale):
