@@ -1,0 +1,54 @@
+"""The monitoring files as Prometheus reads them: `promtool check config`,
+`check rules` and `test rules` (each alert fires on synthetic series), and
+every metric they, the dashboard and the HPAs' adapter rules name is one the
+services export."""
+from __future__ import annotations
+
+import re
+import subprocess
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+from helpers_prometheus import DASHBOARD, PROM_DIR, need
+from kvpop.metrics import Metrics
+
+K8S_PROM = PROM_DIR.parent / "k8s" / "prometheus.yml"
+
+
+def promtool(*args: str) -> str:
+    r = subprocess.run([need("promtool"), *args], capture_output=True, text=True, timeout=120, cwd=PROM_DIR)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_promtool_checks_config_and_rules():
+    assert "SUCCESS" in promtool("check", "config", "prometheus.yml")
+    assert "SUCCESS" in promtool("check", "config", "--syntax-only", str(K8S_PROM))
+    assert "SUCCESS: 6 rules found" in promtool("check", "rules", "alerts.yml")
+
+
+def test_promtool_unit_tests_fire_every_alert():
+    assert "SUCCESS" in promtool("test", "rules", "alerts_test.yml")
+    alerts = {r["alert"] for g in yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
+              for r in g["rules"] if "alert" in r}
+    tests = yaml.safe_load((PROM_DIR / "alerts_test.yml").read_text())["tests"]
+    fired = {a["alertname"] for t in tests for a in t.get("alert_rule_test", []) if a["exp_alerts"]}
+    quiet = {a["alertname"] for t in tests for a in t.get("alert_rule_test", []) if not a["exp_alerts"]}
+    assert alerts == fired, alerts ^ fired
+    assert alerts == quiet, alerts ^ quiet
+
+
+def exported_names() -> set[str]:
+    names = set()
+    for fam in Metrics(CollectorRegistry()).registry.collect():
+        names |= {fam.name, *(fam.name + s for s in ("_total", "_bucket", "_count", "_sum"))}
+    return names
+
+
+def test_every_metric_named_is_exported():
+    exported = exported_names()
+    files = [PROM_DIR / "alerts.yml", PROM_DIR / "adapter.yaml", DASHBOARD]
+    named = {n for f in files for n in re.findall(r"\bkvpop_[a-z0-9_]+", f.read_text())}
+    assert len(named) > 10
+    assert named <= exported, named - exported
