@@ -27,9 +27,10 @@ def load(gateway) -> None:
     """A few streams of each kind the panels show: dense, a heuristic policy
     over its budget, and `learned` over its budget (plans from the cache-manager)."""
     for i, (policy, budget) in enumerate((("dense", 0), ("h2o", 64), ("learned", 64), ("learned", 64))):
+        budgeted = {"budget_tokens": budget} if budget else {}
         _, _, final = collect(gateway.Generate(generate_pb2.GenerateRequest(
             prompt=f"scrape load {i} " * 20, max_tokens=120, ignore_eos=True, policy=policy,
-            budget_tokens=budget), timeout=120))
+            **budgeted), timeout=120))
         assert final.usage.completion_tokens == 120
         if budget:
             assert final.usage.kv_blocks_evicted > 0, policy
