@@ -65,3 +65,15 @@ def test_every_metric_named_is_exported():
     named -= {r["name"]["as"] for r in yaml.safe_load((PROM_DIR / "adapter.yaml").read_text())["rules"]}
     assert len(named) > 10
     assert named <= exported, named - exported
+
+
+def test_deploy_doc_lists_every_alert_and_panel():
+    import json
+    doc = (PROM_DIR.parents[2] / "docs" / "deploy.md").read_text()
+    alerts = [r["alert"] for g in yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
+              for r in g["rules"] if "alert" in r]
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    missing = [f"`{a}`" for a in alerts if f"`{a}`" not in doc]
+    missing += [t["expr"] for p in panels for t in p["targets"]
+                if t["expr"].replace("|", "&#124;") not in doc]
+    assert not missing, missing
