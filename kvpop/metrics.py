@@ -26,6 +26,8 @@ prefix, base units, `_total` counters):
 | `kvpop_eviction_plans_late_total{reason}` | counter | compute: never applied, `superseded` (a newer plan came first) or `stale` (ranks fewer blocks than were sent since) |
 | `kvpop_eviction_plans_dropped_total{reason}` | counter | compute: unusable, `finished` (request ended), `malformed_plan`, `shape_mismatch` |
 | `kvpop_eviction_plan_latency_seconds` | histogram | compute (block features sent → the plan answering them received) |
+| `kvpop_budget_shrinks_total` | counter | compute (KV budgets the scheduler shrank to admit more under pool pressure) |
+| `kvpop_service_ready` | gauge | every service: 1 while ready (`/healthz` 200, grpc.health.v1 `""` SERVING), else 0; read at each scrape |
 | `kvpop_service_info{service,version}` | gauge (1) | every service |
 
 A plan received is applied, late, dropped, or still pending when its sequence
@@ -148,6 +150,11 @@ class Metrics:
         self.plans_sent = Counter("kvpop_eviction_plans_sent",
                                   "Eviction plans the cache-manager computed and sent, by the network that "
                                   "ranked them (checkpoint file name, or heuristic).", ["estimator"], registry=r)
+        self.budget_shrinks = Counter(
+            "kvpop_budget_shrinks", "KV budgets the scheduler shrank to admit more requests (pool pressure).",
+            registry=r)
+        self.ready = Gauge("kvpop_service_ready", "1 while this process is ready (/healthz 200), else 0.",
+                           registry=r)
         self.info = Gauge("kvpop_service_info", "Constant 1, labelled with the service.",
                           ["service", "version"], registry=r)
         # Last cumulative values seen in engine.stats(): counters advance by deltas.
@@ -193,7 +200,7 @@ class Metrics:
 
         Cumulative engine counts (`evictions` by policy, `fallback_evictions`,
         `prompt_tokens`, `generated_tokens`, `prefix_cache_queries`,
-        `prefix_cache_hits`) become counter increments; a count that went down
+        `prefix_cache_hits`, `budget_shrinks`) become counter increments; a count that went down
         (engine rebuilt, a live sequence's count dropped on abort) becomes the
         new baseline, so the counter never overcounts. Missing keys are left
         alone, so an engine that does not report something simply exports no
@@ -210,7 +217,8 @@ class Metrics:
                                  ("generated_tokens", self.generation_tokens),
                                  ("prefix_cache_queries", self.prefix_queries),
                                  ("prefix_cache_hits", self.prefix_hits),
-                                 ("plans_applied", self.plans_applied)):
+                                 ("plans_applied", self.plans_applied),
+                                 ("budget_shrinks", self.budget_shrinks)):
                 if key in stats:
                     self._advance(key, stats[key], counter)
             for policy, count in (stats.get("evictions") or {}).items():
@@ -368,6 +376,12 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
                 version = "dev"
         m.info.labels(service=service, version=version).set(1)
 
+    def probe_ok(probe: Callable[[], bool] | None) -> bool:
+        try:
+            return True if probe is None else bool(probe())
+        except Exception:  # noqa: BLE001 — a broken probe is "not ready", not a 500
+            return False
+
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 — http.server's naming
             path = self.path.split("?", 1)[0]
@@ -382,14 +396,12 @@ def start_metrics_server(port: int, host: str = "127.0.0.1",
                     self.end_headers()
                     self.wfile.write(body)
                     return
+                # Readiness as a series, so an alert can see a replica that is up but not serving.
+                m.ready.set(1 if probe_ok(ready) else 0)
                 body, content_type = m.exposition(self.headers.get("Accept"))
                 self._send(200, body, content_type)
             elif path in ("/healthz", "/livez"):
-                probe = ready if path == "/healthz" else live
-                try:
-                    ok = True if probe is None else bool(probe())
-                except Exception:  # noqa: BLE001 — a broken probe is "not ready", not a 500
-                    ok = False
+                ok = probe_ok(ready if path == "/healthz" else live)
                 body = "ok\n" if ok else ("not ready\n" if path == "/healthz" else "not live\n")
                 if path == "/healthz" and details is not None:
                     try:

@@ -6,6 +6,7 @@ host names and ports mapped to loopback)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -76,7 +77,8 @@ def _default(value: str) -> str:
 
 def test_services_and_structure(compose):
     svcs = compose["services"]
-    assert set(svcs) == {"redis", "cache-manager", "compute", "gateway", "otel-collector", "jaeger"}
+    assert set(svcs) == {"redis", "cache-manager", "compute", "gateway", "otel-collector", "jaeger",
+                         "prometheus", "grafana"}
     redis = svcs["redis"]
     assert "--appendonly" in redis["command"] and "yes" in redis["command"]
     # At most the last second of writes lost when Redis is killed (docs/guides/operations.md).
@@ -118,6 +120,39 @@ def test_services_and_structure(compose):
     assert "otlp/jaeger" in otel_cfg["service"]["pipelines"]["traces"]["exporters"]
     for name in OURS:
         assert _env(svcs[name])["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+
+
+def _mount(svc: dict, target: str) -> Path:
+    """Host path (resolved from compose/) of the volume mounted at `target`."""
+    [host] = [v.split(":")[0] for v in svc["volumes"] if v.split(":")[1] == target]
+    return (COMPOSE_DIR / host).resolve()
+
+
+def test_prometheus_scrapes_every_service_and_grafana_shows_it(compose):
+    svcs = compose["services"]
+    prom = svcs["prometheus"]
+    conf_dir = _mount(prom, "/etc/prometheus")
+    config_file = next(a.split("=", 1)[1] for a in prom["command"] if a.startswith("--config.file="))
+    cfg = yaml.safe_load((conf_dir / Path(config_file).name).read_text())
+    # Every rule file it names is in the mounted folder.
+    for f in cfg["rule_files"]:
+        assert (conf_dir / f).is_file(), f
+    [job] = [j for j in cfg["scrape_configs"] if j["job_name"] == "kvpop"]
+    targets = {sc["labels"]["component"]: sc["targets"] for sc in job["static_configs"]}
+    # One target per kvpop service: its compose name and its KVPOP_METRICS_PORT.
+    assert targets == {n: [f"{n}:{_env(svcs[n])['KVPOP_METRICS_PORT']}"] for n in OURS}
+    graf = svcs["grafana"]
+    prov = _mount(graf, "/etc/grafana/provisioning")
+    [ds] = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert ds["url"] == "http://prometheus:9090" and any(p.endswith(":9090") for p in prom["ports"])
+    [provider] = yaml.safe_load((prov / "dashboards" / "kvpop.yml").read_text())["providers"]
+    dashboard = _mount(graf, provider["options"]["path"] + "/kvpop.json")
+    panels = json.loads(dashboard.read_text())["panels"]
+    assert all(t["datasource"]["uid"] == ds["uid"] for p in panels for t in p["targets"])
+    assert graf["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    for name in ("prometheus", "grafana"):
+        assert all(p.startswith("127.0.0.1:") for p in svcs[name]["ports"]), name
+        assert svcs[name]["healthcheck"]["test"][0] == "CMD"
 
 
 def test_services_come_back_and_start_in_health_order(compose, ours):

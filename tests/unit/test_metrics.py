@@ -44,7 +44,7 @@ def test_refresh_engine_sets_gauges_and_advances_counters():
     stats = {"pages_used": 40, "pages_free": 60, "pages_total": 100, "running": 3, "waiting": 1,
              "evictions": {"h2o": 12, "learned": 5}, "fallback_evictions": 2,
              "prompt_tokens": 300, "generated_tokens": 50,
-             "prefix_cache_queries": 10, "prefix_cache_hits": 9}
+             "prefix_cache_queries": 10, "prefix_cache_hits": 9, "budget_shrinks": 2}
     m.refresh_engine(stats)
     m.refresh_engine(stats)   # same cumulative values: counters must not double
     reg = m.registry
@@ -52,6 +52,7 @@ def test_refresh_engine_sets_gauges_and_advances_counters():
     assert reg.get_sample_value("kvpop_num_requests_waiting") == 1
     assert reg.get_sample_value("kvpop_kv_evictions_total", {"policy": "h2o"}) == 12
     assert reg.get_sample_value("kvpop_generation_tokens_total") == 50
+    assert reg.get_sample_value("kvpop_budget_shrinks_total") == 2
     stats.update(pages_used=10, pages_free=90, running=0, generated_tokens=80,
                  evictions={"h2o": 20, "learned": 5, "snapkv": 1}, prefix_cache_hits=10)
     m.refresh_engine(stats)
@@ -121,9 +122,12 @@ def test_http_endpoint_serves_metrics_and_readiness():
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(base + "/healthz", timeout=5)
         assert e.value.code == 503
+        # Readiness is also a series, read at the scrape (alerts see "up but not ready").
+        assert samples["kvpop_service_ready"] == 0
         ready["ok"] = True
         with urllib.request.urlopen(base + "/healthz", timeout=5) as resp:
             assert resp.status == 200
+        assert scrape(base + "/metrics")[0]["kvpop_service_ready"] == 1
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(base + "/nope", timeout=5)
         assert e.value.code == 404
