@@ -21,19 +21,21 @@ pytestmark = pytest.mark.slow
 def test_bench_serve_quick_writes_results_and_summary(tmp_path):
     p = argparse.ArgumentParser()
     bench_serve.add_arguments(p)
-    # Two stacks, one per prompt chunk size: every policy on each.
-    args = p.parse_args(["--quick", "--prefill-chunks", "512,128", "--out", str(tmp_path / "serve")])
+    # Two stacks, one per layout (the default, and whole-block eviction), pools of the same memory.
+    args = p.parse_args(["--quick", "--layouts", "1/16,16/16", "--out", str(tmp_path / "serve")])
     assert bench_serve.run(args) == 0
     out = tmp_path / "serve"
     both = json.loads((out / "results.json").read_text())["rows"]
     summary = json.loads((out / "summary.json").read_text())
-    assert sorted((r["prefill_chunk"], r["policy"]) for r in both) == [(128, "dense"), (128, "learned"),
-                                                                        (512, "dense"), (512, "learned")]
-    assert set(summary["by_prefill_chunk"]) == {"128", "512"}
-    assert summary["throughput_ratio"] == summary["by_prefill_chunk"]["512"]["throughput_ratio"]
-    assert "| learned | 128 |" in (out / "results.md").read_text()
+    assert sorted((r["layout"], r["policy"]) for r in both) == [("1/16", "dense"), ("1/16", "learned"),
+                                                                 ("16/16", "dense"), ("16/16", "learned")]
+    assert set(summary["by_variant"]) == {"layout 1/16", "layout 16/16"}
+    assert summary["throughput_ratio"] == summary["by_variant"]["layout 1/16"]["throughput_ratio"]
+    assert summary["tokens_per_s_over_first"]["learned"]["layout 1/16"] == 1.0
+    assert summary["tokens_per_s_over_first"]["learned"]["layout 16/16"] > 0
+    assert "| learned | 16/16 |" in (out / "results.md").read_text()
     assert all(r["errors"] == 0 and r["requests"] == 8 for r in both), both
-    rows = [r for r in both if r["prefill_chunk"] == 512]
+    rows = [r for r in both if r["layout"] == "1/16"]
     for r in rows:
         assert r["errors"] == 0 and r["requests"] == 8, r
         assert r["output_tokens_per_s"] > 0 and r["peak_running"] >= 1 and r["peak_pages"] > 0, r
