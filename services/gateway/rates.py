@@ -22,11 +22,15 @@ WINDOW_S = 60.0
 RETRY_AFTER = "retry-after"
 
 
+def _seconds(wait: float) -> int:
+    return max(1, math.ceil(wait))
+
+
 class RateExceeded(Invalid):
     def __init__(self, message: str, retry_after_s: float, limit: str):
         super().__init__(message, grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.limit = limit
-        self.retry_after_s = max(1, math.ceil(retry_after_s))
+        self.retry_after_s = _seconds(retry_after_s)
 
 
 class Window:
@@ -74,14 +78,14 @@ class KeyRates:
         if tokens_per_minute and tokens.total >= tokens_per_minute:
             wait = tokens.wait_until_below(tokens_per_minute, now)
             raise RateExceeded(f"API key {name!r} generated {tokens.total} tokens in the last minute; its limit "
-                               f"is {tokens_per_minute} tokens per minute: retry in {max(1, math.ceil(wait))} s", wait,
+                               f"is {tokens_per_minute} tokens per minute: retry in {_seconds(wait)} s", wait,
                                "tokens_per_minute")
         requests = self._window(self.requests, name, now)
         if requests_per_minute and requests.total >= requests_per_minute:
             wait = requests.wait_until_below(requests_per_minute, now)
             raise RateExceeded(f"API key {name!r} made {requests.total} requests in the last minute; its limit "
-                               f"is {requests_per_minute} requests per minute: retry in {max(1, math.ceil(wait))} s", wait,
-                               "tokens_per_minute")
+                               f"is {requests_per_minute} requests per minute: retry in {_seconds(wait)} s", wait,
+                               "requests_per_minute")
         requests.add(now, 1)
 
     def generated(self, name: str, n: int) -> None:

@@ -128,7 +128,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             creq = validate(request, self.cfg, info)
             admitted = self.admission.admit(context, key, creq, request.HasField("max_tokens"))
         except Refused as e:
-            retry = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after_s else None
+            retry = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after_s else ()
             await context.abort(e.code, e.message, trailing_metadata=retry)
         except Invalid as e:
             await context.abort(e.code, e.message)

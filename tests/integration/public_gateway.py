@@ -76,3 +76,52 @@ def reflected_generate(channel: grpc.Channel, fields: dict, metadata=(), timeout
     call = channel.unary_stream("/kvpop.v1.KVpop/Generate", request_serializer=request_cls.SerializeToString,
                                 response_deserializer=response_cls.FromString)
     return [json_format.MessageToDict(r) for r in call(request_cls(**fields), metadata=metadata, timeout=timeout)]
+
+
+_BURST = r"""
+import json, os, sys, threading
+import grpc
+from kvpop.pb import generate_pb2, generate_pb2_grpc
+os.nice(10)     # the load generator's own CPU is not the server's: on a shared test box it yields
+address, key, width, n, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+stop, lock, seen = threading.Event(), threading.Lock(), {"served": 0, "refused": {}}
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+md = (("authorization", "Bearer " + key),)
+req = generate_pb2.GenerateRequest(prompt="burst", max_tokens=n, ignore_eos=True, policy="dense")
+with grpc.insecure_channel(address) as ch:
+    stub = generate_pb2_grpc.KVpopStub(ch)
+    def one():
+        try:
+            list(stub.Generate(req, metadata=md, timeout=60))
+            with lock:
+                seen["served"] += 1
+        except grpc.RpcError as e:
+            with lock:
+                k = e.code().name + ": " + e.details()
+                seen["refused"][k] = seen["refused"].get(k, 0) + 1
+    while not stop.wait(every):
+        ts = [threading.Thread(target=one) for _ in range(width)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+print(json.dumps(seen))
+"""
+
+
+class Burst:
+    """Another process sending bursts of `width` concurrent Generate calls
+    with `key`, the next `every` seconds after the last one ended, until
+    stop(): {"served": n, "refused": {status: n}}."""
+
+    def __init__(self, address: str, key: str, width: int = 16, max_tokens: int = 32, every: float = 0.2):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-c", _BURST, address, key, str(width), str(max_tokens),
+                                      str(every)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=REPO_ROOT)
+
+    def stop(self) -> dict:
+        import json
+        out, _ = self.proc.communicate("", timeout=90)
+        return json.loads(out)
