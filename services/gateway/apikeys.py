@@ -98,7 +98,9 @@ class KeyRing:
         self.path = Path(path) if path else None
         self._lock = threading.Lock()
         self._stamp: tuple | None = None
-        self.keys: list[ApiKey] = parse(inline, "KVPOP_API_KEYS") if inline else []
+        self.keys: list[ApiKey] = parse(inline, "KVPOP_API_KEYS") if inline.strip() else []
+        if inline.strip() and not self.keys:
+            raise KeyFileError("KVPOP_API_KEYS has no keys in it (only comments)")
         if self.path is not None:
             self.keys = self._read(self._stat())
             if not self.keys:

@@ -7,6 +7,10 @@ response path: a Redis outage delays them (queued, retried), never a stream.
 A session's turn continues its resident KV or is re-prefilled from its stored
 history (sessions.py).
 
+Access: with API keys (auth.py) each call runs as its key: that key's limits
+(admission.py) and its own sessions (ownership.py: stored and continued
+under the key's name; another key naming the id gets NOT_FOUND).
+
 Health: "" and `kvpop.v1.KVpop` are SERVING while at least one compute replica
 answers SERVING (probed every `PROBE_PERIOD_S` on the channels traffic uses),
 so a gateway with no compute behind it says so within a second, and says

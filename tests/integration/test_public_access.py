@@ -4,6 +4,7 @@ keys in a file that changes while it runs, per-key limits, sessions owned by
 their key, TLS on the public port."""
 from __future__ import annotations
 
+import json
 import secrets
 import statistics
 import threading
@@ -135,6 +136,18 @@ def test_a_session_is_its_keys_alone(keyed, stack, placeholder_model):
     tok = engine.tokenizer
     history = tok.encode(secret) + first + tok.encode(" What is my PIN?", add_bos=False)
     assert second == [o.token_id for o in engine.generate(history, SamplingParams(max_tokens=8, ignore_eos=True))]
+    # Its replica gone (the record names one no longer registered): the next
+    # turn is re-prefilled from the history stored under alice's name.
+    deadline = time.monotonic() + 10
+    while json.loads(rc.get(session_key(f"alice~{sid}")))["turns"] < 2:
+        assert time.monotonic() < deadline, "alice's second turn was not stored"
+        time.sleep(0.05)
+    record = json.loads(rc.get(session_key(f"alice~{sid}")))
+    rc.set(session_key(f"alice~{sid}"), json.dumps({**record, "replica": "gone"}), keepttl=True)
+    history += second + tok.encode(" Say it again.", add_bos=False)
+    third, final = run(stub, req(" Say it again.", session_id=sid), md("alice"))
+    assert final.usage.reprefilled_tokens == len(history) - len(tok.encode(" Say it again.", add_bos=False))
+    assert third == [o.token_id for o in engine.generate(history, SamplingParams(max_tokens=8, ignore_eos=True))]
     # Even with the claim gone (expired, lost with Redis), the other key only
     # ever reaches a session of its own: a fresh one, nothing of alice's.
     rc.delete(claim_key(sid))
