@@ -5,8 +5,11 @@ their key, TLS on the public port."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +18,7 @@ import pytest
 import redis as redis_sync
 
 from helpers_pki import make_pki
+from kvpop.paths import REPO_ROOT
 from kvpop.pb import generate_pb2, generate_pb2_grpc
 from kvpop.store import session_key
 from public_gateway import Burst, PublicGateway, reflected_generate
@@ -234,6 +238,38 @@ def test_tls_on_the_public_port(stack, tmp_path):
             with channel as ch:
                 with pytest.raises(grpc.RpcError) as e:
                     run(generate_pb2_grpc.KVpopStub(ch), req(), (("authorization", f"Bearer {key}"),), timeout=5)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The command line client: --ca and the key from KVPOP_API_KEY.
+        cli = subprocess.run([sys.executable, "-m", "kvpop.cli", "generate", "Hi", "--max-tokens", "3", "--ignore-eos",
+                              "--policy", "dense", "--address", gw.address, "--ca", str(pki / "ca.pem")],
+                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "KVPOP_API_KEY": key})
+        assert cli.returncode == 0 and "completion 3 tok" in cli.stderr, cli.stderr
+    finally:
+        gw.stop()
+
+
+def test_client_certificates_on_the_public_port(stack, tmp_path):
+    pki = make_pki(tmp_path)
+    key_file = tmp_path / "api_keys"
+    key = new_key()
+    append_key(key_file, "mtls-user", key)
+    gw = PublicGateway(stack, tmp_path, {"KVPOP_API_KEYS_FILE": str(key_file),
+                                         "KVPOP_PUBLIC_TLS_CERT": str(pki / "server.pem"),
+                                         "KVPOP_PUBLIC_TLS_KEY": str(pki / "server.key"),
+                                         "KVPOP_PUBLIC_TLS_CA": str(pki / "ca.pem")})
+    ca = (pki / "ca.pem").read_bytes()
+    client = grpc.ssl_channel_credentials(ca, (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes())
+    rogue = grpc.ssl_channel_credentials(ca, (pki / "rogue.key").read_bytes(), (pki / "rogue.pem").read_bytes())
+    auth = (("authorization", f"Bearer {key}"),)
+    try:
+        with grpc.secure_channel(gw.address, client) as ch:
+            gw.wait_serving(ch)
+            assert len(run(generate_pb2_grpc.KVpopStub(ch), req(), auth)[0]) == 8
+        for creds in (grpc.ssl_channel_credentials(ca), rogue):     # no certificate, or one the CA did not sign
+            with grpc.secure_channel(gw.address, creds) as ch:
+                with pytest.raises(grpc.RpcError) as e:
+                    run(generate_pb2_grpc.KVpopStub(ch), req(), auth, timeout=5)
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         gw.stop()
