@@ -422,5 +422,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"logs and state in {state_dir}; metrics at {', '.join(stack.metrics.values())}", file=sys.stderr)
     if stack.token_file:
         print(f"internal token (compute, cache-manager) in {stack.token_file}, mode 0600", file=sys.stderr)
+    if args.api_keys_file:
+        print(f"API keys required (from {args.api_keys_file.resolve()}): kvpop generate --api-key KEY, "
+              f"or KVPOP_API_KEY", file=sys.stderr)
     print(stack.gateway)
     return 0

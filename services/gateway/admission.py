@@ -15,7 +15,7 @@ import grpc
 from kvpop.config import GatewayConfig
 from kvpop.pb import compute_pb2
 from services.gateway.apikeys import ApiKey
-from services.gateway.key_metrics import KeyMetrics
+from services.gateway.key_metrics import key_metrics
 from services.gateway.limits import StreamLimiter, client_key
 from services.gateway.rates import KeyRates, RateExceeded
 from services.gateway.validation import Invalid
@@ -39,7 +39,7 @@ class Admission:
         self.cfg = cfg
         self.streams = StreamLimiter(cfg.max_streams_per_client)
         self.rates = KeyRates()
-        self.metrics = KeyMetrics()
+        self.metrics = key_metrics()
 
     def _limit(self, key: ApiKey, name: str, default: int) -> int:
         return key.limits.get(name, default)

@@ -47,3 +47,14 @@ class KeyMetrics:
 
     def generated(self, name: str, n: int) -> None:
         self.tokens.labels(key=self.label(name)).inc(n)
+
+
+_instance: KeyMetrics | None = None
+
+
+def key_metrics() -> KeyMetrics:
+    """The process's one set (a registry takes each metric name once)."""
+    global _instance
+    if _instance is None:
+        _instance = KeyMetrics()
+    return _instance
