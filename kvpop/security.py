@@ -161,27 +161,30 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 _DENIED = "missing or wrong bearer token (KVPOP_INTERNAL_TOKEN)"
 
 
-async def _deny(_request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-
-
-async def _deny_stream(_request, context: grpc.aio.ServicerContext):
-    # An async generator, as other interceptors (OpenTelemetry's) iterate
-    # the behaviour of a streaming-response method.
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-    yield  # pragma: no cover
-
-
 def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    # No request deserializer: a rejected caller's bytes are never parsed.
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that ends every call with `code` and `message`.
+    No request deserializer: a refused caller's bytes are never parsed."""
+    async def deny(_request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+
+    async def deny_stream(_request, context: grpc.aio.ServicerContext):
+        # An async generator, as other interceptors (OpenTelemetry's) iterate
+        # the behaviour of a streaming-response method.
+        await context.abort(code, message)
+        yield  # pragma: no cover
+
     ser = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_deny, None, ser)
+        return grpc.unary_unary_rpc_method_handler(deny, None, ser)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream, None, ser)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, None, ser)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_deny, None, ser)
-    return grpc.stream_stream_rpc_method_handler(_deny_stream, None, ser)
+        return grpc.stream_unary_rpc_method_handler(deny, None, ser)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, None, ser)
 
 
 def server_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ServerInterceptor]:

@@ -18,6 +18,7 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
+from kvpop.security import refusing
 from services.gateway.apikeys import ApiKey, KeyRing
 
 CALLER: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar("kvpop_api_caller", default=None)
@@ -55,28 +56,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         token = _bearer(details.invocation_metadata)
         key = self.keys.identify(token) if token else None
         if key is None:
-            return _refused(handler, _refusal(details.invocation_metadata))
+            return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _refusal(details.invocation_metadata))
         return _as_caller(handler, key)
-
-
-def _refused(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    async def deny(_request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def deny_stream(_request, context):
-        # An async generator: other interceptors (OpenTelemetry's) iterate a streaming behaviour.
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover
-
-    # No request deserializer: a refused caller's bytes are never parsed.
-    ser = handler.response_serializer
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(deny, None, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny_stream, None, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, None, ser)
-    return grpc.stream_stream_rpc_method_handler(deny_stream, None, ser)
 
 
 def _as_caller(handler: grpc.RpcMethodHandler, key: ApiKey) -> grpc.RpcMethodHandler:

@@ -79,13 +79,14 @@ def reflected_generate(channel: grpc.Channel, fields: dict, metadata=(), timeout
 
 
 _BURST = r"""
-import json, os, sys, threading
+import json, os, queue, sys, threading
 import grpc
 from kvpop.pb import generate_pb2, generate_pb2_grpc
 os.nice(10)     # the load generator's own CPU is not the server's: on a shared test box it yields
 address, key, width, n, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-stop, lock, seen = threading.Event(), threading.Lock(), {"served": 0, "refused": {}}
-threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+lock, seen, commands = threading.Lock(), {"served": 0, "refused": {}}, queue.Queue()
+threading.Thread(target=lambda: ([commands.put(c.strip()) for c in sys.stdin], commands.put("stop")),
+                 daemon=True).start()
 md = (("authorization", "Bearer " + key),)
 req = generate_pb2.GenerateRequest(prompt="burst", max_tokens=n, ignore_eos=True, policy="dense")
 with grpc.insecure_channel(address) as ch:
@@ -99,20 +100,32 @@ with grpc.insecure_channel(address) as ch:
             with lock:
                 k = e.code().name + ": " + e.details()
                 seen["refused"][k] = seen["refused"].get(k, 0) + 1
-    while not stop.wait(every):
-        ts = [threading.Thread(target=one) for _ in range(width)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-print(json.dumps(seen))
+    running = False
+    while True:
+        try:
+            command = commands.get(timeout=every) if running else commands.get()
+        except queue.Empty:
+            command = None
+        if command == "stop":
+            break
+        if command in ("pause", "go"):
+            running = command == "go"
+            print(command, flush=True)      # between rounds: none of ours is in flight when paused
+        if running:
+            ts = [threading.Thread(target=one) for _ in range(width)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+print(json.dumps(seen), flush=True)
 """
 
 
 class Burst:
     """Another process sending bursts of `width` concurrent Generate calls
-    with `key`, the next `every` seconds after the last one ended, until
-    stop(): {"served": n, "refused": {status: n}}."""
+    with `key`, the next `every` seconds after the last one ended, while
+    going (`go()`; `pause()` returns once its last burst ended). stop():
+    {"served": n, "refused": {status: n}}."""
 
     def __init__(self, address: str, key: str, width: int = 16, max_tokens: int = 32, every: float = 0.2):
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -121,7 +134,18 @@ class Burst:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=REPO_ROOT)
 
+    def _say(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == command, f"the burst process did not {command}"
+
+    def pause(self) -> None:
+        self._say("pause")
+
+    def go(self) -> None:
+        self._say("go")
+
     def stop(self) -> dict:
         import json
-        out, _ = self.proc.communicate("", timeout=90)
-        return json.loads(out)
+        out, _ = self.proc.communicate(timeout=90)
+        return json.loads(out.strip().splitlines()[-1])

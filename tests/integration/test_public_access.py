@@ -173,19 +173,34 @@ def _latencies(stub, n: int) -> list[float]:
 def test_per_key_limits_hold_a_burst_while_others_keep_their_latency(keyed):
     stub = keyed.stub
     _latencies(stub, 2)     # warm
-    # Alone before and after, against the drift of whatever else the machine runs.
-    alone = _latencies(stub, 6)
-    burst = Burst(keyed.address, KEYS["burst"])
+    # Alone, beside the key's allowance used politely (one stream at a time),
+    # and during its bursts, in turns: whatever else the machine runs weighs
+    # on all three alike.
+    alone, polite, during = [], [], []
+    one, burst = Burst(keyed.address, KEYS["burst"], width=1), Burst(keyed.address, KEYS["burst"])
     try:
-        during = _latencies(stub, 12)
+        one.pause()
+        for _ in range(10):
+            burst.pause()
+            alone += _latencies(stub, 1)
+            one.go()
+            polite += _latencies(stub, 1)
+            one.pause()
+            burst.go()
+            during += _latencies(stub, 1)
     finally:
         seen = burst.stop()
-    alone += _latencies(stub, 6)
+        one.stop()
     # The burst got its one stream at a time, most calls refused at once, saying why.
     assert seen["served"] >= 1 and sum(seen["refused"].values()) >= 3 * seen["served"], seen
     assert all(r.startswith("RESOURCE_EXHAUSTED: API key 'burst' already has 1 streams open") for r in seen["refused"]), \
         seen
-    assert statistics.median(during) <= 1.5 * statistics.median(alone), (alone, during)
+    # A burst costs the others no more than the key's allowance does. (What
+    # that allowance costs depends on the device: on this CPU test stack one
+    # more stream decoding beside a request slows it by about half; a GPU
+    # batches it nearly for free.) Without the limit the same bursts cost ~1.8x.
+    p50 = {name: statistics.median(v) for name, v in (("alone", alone), ("polite", polite), ("during", during))}
+    assert p50["during"] <= 1.5 * p50["polite"], p50
 
     # Requests per minute: the 4th in a minute is refused, saying when to retry.
     for _ in range(3):
