@@ -74,7 +74,7 @@ def test_keys_refuse_strangers_and_reload_without_disturbing_streams(keyed, otlp
     stub = keyed.stub
     # A long stream of alice's is in flight through all of what follows.
     long = {}
-    t = threading.Thread(target=lambda: long.update(zip(("ids", "final"), run(stub, req(n=400), md("alice")))))
+    t = threading.Thread(target=lambda: long.update(zip(("ids", "final"), run(stub, req(n=1500), md("alice")))))
     t.start()
     missing = refused(stub, req(), ())
     assert missing.code() == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in missing.details()
@@ -98,9 +98,10 @@ def test_keys_refuse_strangers_and_reload_without_disturbing_streams(keyed, otlp
     KEYS["carol"] = new_key()
     append_key(keyed.key_file, "carol", KEYS["carol"])
     assert len(run(stub, req(), md("carol"))[0]) == 8
+    assert t.is_alive(), "alice's stream ended before the keys changed: make it longer"
 
     t.join(60)
-    assert len(long["ids"]) == 400 and long["final"].finish_reason_text == "length", "alice's stream was disturbed"
+    assert len(long["ids"]) == 1500 and long["final"].finish_reason_text == "length", "alice's stream was disturbed"
     text = keyed.metrics()
     assert 'kvpop_api_key_requests_total{key="alice"} 1.0' in text
     assert not any(k in text for k in KEYS.values()), "a key reached the metrics"
