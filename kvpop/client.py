@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
                    "(default: the gateway counts by IP address)")
+    p.add_argument("--api-key", default=None, help="API key, sent as 'authorization: Bearer KEY' "
+                   "(default: KVPOP_API_KEY)")
+    p.add_argument("--ca", default=None, help="CA (PEM) of a gateway that serves TLS (default: KVPOP_GATEWAY_CA; "
+                   "none: plaintext)")
     p.add_argument("--address", help="gateway HOST:PORT (default: $KVPOP_GATEWAY_ADDRESS, else the stack "
                                       "in the state folder)")
     p.add_argument("--state-dir", type=Path, default=None,
@@ -118,14 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
 
-def _note_task_model(stub, args: argparse.Namespace) -> None:
+def _note_task_model(stub, args: argparse.Namespace, metadata=None) -> None:
     """One line on stderr when the request does not fit the default task model."""
     import grpc
 
     from kvpop.pb import generate_pb2
 
     try:
-        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5)
+        info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=5, metadata=metadata)
     except grpc.RpcError:
         return      # Generate reports the gateway's state itself
     note = note_for(info, args.prompt, chat=args.chat is not None)
@@ -136,17 +140,18 @@ def _note_task_model(stub, args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
+    from kvpop.gateway_channel import key_metadata, public_channel
     from kvpop.pb import generate_pb2_grpc
 
     address = gateway_address(args)
     req = build_request(args)
     t0 = time.monotonic()
     first = None
-    with grpc.insecure_channel(address) as channel:
+    with public_channel(address, args.ca) as channel:
         stub = generate_pb2_grpc.KVpopStub(channel)
-        md = (("x-client-id", args.client_id),) if args.client_id else None
-        _note_task_model(stub, args)
-        call = stub.Generate(req, timeout=args.timeout, metadata=md)
+        md = key_metadata(args.api_key) + ((("x-client-id", args.client_id),) if args.client_id else ())
+        _note_task_model(stub, args, md or None)
+        call = stub.Generate(req, timeout=args.timeout, metadata=md or None)
         try:
             for resp in call:
                 kind = resp.WhichOneof("kind")

@@ -223,9 +223,38 @@ class GatewayConfig(ServerConfig):
     default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
     max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
     session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
+    # Who may call the public API (services/gateway/apikeys.py, docs/api.md).
+    api_keys_file: str = setting("KVPOP_API_KEYS_FILE", "", "file of API keys, one 'NAME sha256:HASH [limit=N ...]' "
+                                 "a line (`kvpop keys new`); re-read when it changes. Calls then need "
+                                 "'authorization: Bearer <key>' (UNAUTHENTICATED without); health and reflection "
+                                 "stay open")
+    api_keys: str = setting("KVPOP_API_KEYS", "", "the same lines in the variable itself, ';' between them "
+                            "(fixed until restart; a Kubernetes Secret works as either)")
+    allow_no_keys: bool = setting("KVPOP_ALLOW_NO_KEYS", False, "serve a non-loopback KVPOP_HOST without API "
+                                  "keys (refused otherwise: anyone who reaches the port could use it and "
+                                  "continue anyone's session)")
+    key_requests_per_minute: int = setting("KVPOP_KEY_REQUESTS_PER_MINUTE", 0, "Generate calls one API key may "
+                                           "start per minute unless its line says otherwise (0 = no limit)")
+    key_tokens_per_minute: int = setting("KVPOP_KEY_TOKENS_PER_MINUTE", 0, "tokens one API key may have "
+                                         "generated in the last minute before its next call is refused, unless "
+                                         "its line says otherwise (0 = no limit)")
+    public_tls_cert: str = setting("KVPOP_PUBLIC_TLS_CERT", "", "PEM certificate (chain) of the public port: "
+                                   "serve TLS (with KVPOP_PUBLIC_TLS_KEY)")
+    public_tls_key: str = setting("KVPOP_PUBLIC_TLS_KEY", "", "PEM private key of KVPOP_PUBLIC_TLS_CERT")
+    public_tls_ca: str = setting("KVPOP_PUBLIC_TLS_CA", "", "PEM CA: require client certificates signed by it "
+                                 "on the public port ('' = no client certificates)")
 
     def validate(self) -> None:
         super().validate()
+        if not self.api_keys_file and not self.api_keys.strip() and not self.allow_no_keys \
+                and not is_loopback(self.host):
+            raise ConfigError(f"refusing to serve the public API on {self.host} without API keys: anyone who "
+                              f"reaches the port could use it. Set KVPOP_API_KEYS_FILE (make one with "
+                              f"`kvpop keys new NAME --file FILE`), bind 127.0.0.1, or opt out with "
+                              f"KVPOP_ALLOW_NO_KEYS=true (--allow-no-keys true)")
+        if self.key_requests_per_minute < 0 or self.key_tokens_per_minute < 0:
+            raise ConfigError("KVPOP_KEY_REQUESTS_PER_MINUTE and KVPOP_KEY_TOKENS_PER_MINUTE must be >= 0 "
+                              "(0 = no limit)")
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("KVPOP_DEFAULT_MAX_TOKENS must be in [1, KVPOP_MAX_TOKENS_LIMIT]")
         if self.default_budget:
@@ -251,6 +280,18 @@ class GatewayConfig(ServerConfig):
 
 
 C = TypeVar("C", bound=ServerConfig)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` ('localhost', 127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _flag(f: dataclasses.Field) -> str:

@@ -51,6 +51,10 @@ LIVE = "kvpop.live"
 LIVE_STALE_S = 30.0     # /livez fails when the event loop has not turned for this long
 
 
+# How a public port is served: its TLS, and interceptors that admit callers.
+Access = tuple[SecurityConfig, list[grpc.aio.ServerInterceptor]]
+
+
 class App(Protocol):
     async def ready(self) -> None: ...
     async def close(self) -> None: ...
@@ -60,13 +64,18 @@ class App(Protocol):
 
 class GrpcService:
     """`internal=True` (compute, cache-manager): TLS and the shared token of
-    kvpop.security apply when configured; the public gateway port takes neither."""
+    kvpop.security apply when configured. The public gateway port takes
+    neither; it brings its own `access` instead (its TLS, its API-key check)."""
 
-    def __init__(self, name: str, cfg: ServerConfig, internal: bool = True):
+    def __init__(self, name: str, cfg: ServerConfig, internal: bool = True, access: "Access | None" = None):
         self.name, self.cfg = name, cfg
-        self.security = SecurityConfig.from_env() if internal else SecurityConfig()
+        if access is not None:
+            self.security, guards = access
+        else:
+            self.security = SecurityConfig.from_env() if internal else SecurityConfig()
+            guards = security.server_interceptors(self.security)
         self.server = grpc.aio.server(
-            interceptors=[*telemetry.server_interceptors(), *security.server_interceptors(self.security)],
+            interceptors=[*telemetry.server_interceptors(), *guards],
             options=[
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.max_send_message_length", -1),
@@ -105,7 +114,8 @@ class GrpcService:
         await self.server.start()
         await self.set_serving(False)
         await self.set_status(LIVE, True)
-        log.info("%s listening on %s:%d", self.name, self.cfg.host, self.port)
+        log.info("%s listening on %s:%d%s", self.name, self.cfg.host, self.port,
+                 " (TLS)" if self.security.server_tls else "")
         return self.port
 
     async def set_status(self, name: str, serving: bool) -> None:
@@ -152,8 +162,8 @@ def configure_logging(level: str) -> None:
 
 
 async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[App]],
-                internal: bool = True) -> int:
-    service = GrpcService(name, cfg, internal=internal)
+                internal: bool = True, access: Access | None = None) -> int:
+    service = GrpcService(name, cfg, internal=internal, access=access)
     app = await build(cfg, service)
     await service.start()
     beat = asyncio.create_task(service.beat_loop())
@@ -214,20 +224,24 @@ async def serve(name: str, cfg: C, build: Callable[[C, GrpcService], Awaitable[A
 
 
 def run_service(name: str, cfg_cls: type[C], build: Callable[[C, GrpcService], Awaitable[App]],
-                argv: list[str] | None = None, internal: bool = True) -> int:
-    """Entry point body shared by `python -m services.<name>` and `kvpop-<name>`."""
+                argv: list[str] | None = None, internal: bool = True,
+                access: Callable[[C], Access] | None = None) -> int:
+    """Entry point body shared by `python -m services.<name>` and `kvpop-<name>`.
+    `access(cfg)`: the public port's TLS and admission (read at start: bad
+    files stop the service here, with their name)."""
     parser = argparse.ArgumentParser(prog=f"kvpop-{name}", description=f"KVpop {name} service")
     add_arguments(parser, cfg_cls)
     args = parser.parse_args(argv)
     try:
         cfg = load(cfg_cls, args)
+        guard = access(cfg) if access is not None else None
     except (ConfigError, security.SecurityConfigError) as e:
         print(f"kvpop-{name}: error: {e}", file=sys.stderr)
         return 2
     configure_logging(cfg.log_level)
     telemetry.setup_tracing(name)
     try:
-        rc = asyncio.run(serve(name, cfg, build, internal))
+        rc = asyncio.run(serve(name, cfg, build, internal, guard))
     except RuntimeError as e:
         log.error("%s", e)
         rc = 1

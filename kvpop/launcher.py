@@ -12,6 +12,11 @@ written to `<state dir>/internal_token` (mode 0600) and every service reads it
 from there (`KVPOP_INTERNAL_TOKEN_FILE`): compute and the cache-manager refuse
 calls without it (UNAUTHENTICATED); the gateway and compute send it.
 
+Secure by default: on a loopback address the public gateway may run without
+API keys; on any other it needs a key file (`--api-keys-file`, made with
+`kvpop keys new`) or the explicit opt-out `--allow-no-keys`, else `kvpop up`
+refuses before starting anything (as Redis's protected mode does).
+
 Supervised: once everything is SERVING, a supervisor process
 (`kvpop/supervisor.py`, recorded in stack.json as `supervisor`) restarts any
 service that exits, with backoff, and reports a crash loop in
@@ -129,11 +134,21 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
                 port: int | None = None, host: str = "127.0.0.1", policy: str | None = None,
                 service_args: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
                 timeout: float = 180.0, progress=None, supervise: bool = True,
-                internal_token: bool = True) -> Stack:
+                internal_token: bool = True, api_keys_file: str | Path | None = None,
+                allow_no_keys: bool = False) -> Stack:
     """Start everything and wait for SERVING; on failure stop what was started and raise LaunchError.
 
     internal_token: generate the stack's token unless `env` or the environment names one.
-    supervise: start the supervisor once everything is SERVING (off: nothing restarts a dead service)."""
+    supervise: start the supervisor once everything is SERVING (off: nothing restarts a dead service).
+    api_keys_file: the gateway's API keys; allow_no_keys: serve a non-loopback host without them."""
+    merged = {**os.environ, **(env or {})}
+    keyed = bool(api_keys_file or merged.get("KVPOP_API_KEYS_FILE") or merged.get("KVPOP_API_KEYS"))
+    from kvpop.config import is_loopback
+    opted_out = allow_no_keys or merged.get("KVPOP_ALLOW_NO_KEYS", "").strip().lower() in ("1", "true", "yes", "on")
+    if not (keyed or opted_out or is_loopback(host)):
+        raise LaunchError(f"refusing to serve the public API on {host} without API keys: anyone who reaches it "
+                          f"could use it and continue anyone's session. Make a key file with `kvpop keys new NAME "
+                          f"--file FILE` and pass --api-keys-file FILE, or opt out with --allow-no-keys")
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     old = Stack.load(state_dir)
@@ -200,7 +215,9 @@ def start_stack(state_dir: Path, *, model: str | None = None, redis_url: str | N
                         *(["--model", str(Path(model).resolve())] if model else [])],
             "gateway": [*py, _MODULES["gateway"], "--port", str(ports["gateway"]), "--host", host,
                         "--compute-address", dial["compute"], "--redis-url", redis_url,
-                        *(["--default-policy", policy] if policy else [])],
+                        *(["--default-policy", policy] if policy else []),
+                        *(["--api-keys-file", str(Path(api_keys_file).resolve())] if api_keys_file else []),
+                        *(["--allow-no-keys", "true"] if allow_no_keys else [])],
         }
         procs = {n: _spawn(stack, n, [*cmds[n], "--metrics-port", str(mports[n]), *extra.get(n, [])], dial[n],
                            child_env) for n in SERVICES}
@@ -340,11 +357,14 @@ def _model_line(gateway: str) -> str:
 
     from kvpop.pb import generate_pb2, generate_pb2_grpc
 
+    from kvpop.gateway_channel import key_metadata
+
     try:
         with grpc.insecure_channel(gateway) as ch:
-            m = generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+            m = generate_pb2_grpc.KVpopStub(ch).GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10,
+                                                               metadata=key_metadata() or None)
     except grpc.RpcError as e:
-        return f"unknown ({e.code().name})"
+        return f"unknown ({e.code().name}{': set KVPOP_API_KEY to see it' if e.code() == grpc.StatusCode.UNAUTHENTICATED else ''})"
     label = " — PLACEHOLDER: seeded random weights, output is noise" if m.placeholder else ""
     return (f"{m.name} ({m.architecture}, {m.num_layers} layers, {m.dtype} on {m.device}, "
             f"default policy {m.default_policy}){label}")
@@ -356,7 +376,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the embedded model")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
     p.add_argument("--port", type=int, help="gateway port (default: a free one)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address of the services")
+    p.add_argument("--host", default="127.0.0.1", help="bind address of the services (other than loopback: "
+                   "needs --api-keys-file or --allow-no-keys)")
+    p.add_argument("--api-keys-file", type=Path, default=None,
+                   help="the gateway's API keys (`kvpop keys new NAME --file FILE`); calls then need one")
+    p.add_argument("--allow-no-keys", action="store_true",
+                   help="serve a non-loopback --host without API keys (anyone reaching it may use it)")
     p.add_argument("--policy", metavar="POLICY",
                    help=f"the gateway's default eviction policy: {', '.join(POLICIES)} (default learned)")
     p.add_argument("--budget", help="the gateway's default KV budget per (layer, kv-head): tokens ('512') or a "
@@ -391,7 +416,8 @@ def run(args: argparse.Namespace) -> int:
                             policy=args.policy, service_args={"compute": compute, "gateway": gateway,
                                                           "cache-manager": cache_manager},
                             timeout=args.timeout, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                            supervise=not args.no_supervisor)
+                            supervise=not args.no_supervisor, api_keys_file=args.api_keys_file,
+                            allow_no_keys=args.allow_no_keys)
     except LaunchError as e:
         print(f"kvpop up: error: {e}", file=sys.stderr)
         return 1
@@ -404,5 +430,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"logs and state in {state_dir}", file=sys.stderr)
     if stack.token_file:
         print(f"internal token (compute, cache-manager) in {stack.token_file}, mode 0600", file=sys.stderr)
+    if args.api_keys_file:
+        print(f"API keys required (from {args.api_keys_file.resolve()}): kvpop generate --api-key KEY, "
+              f"or KVPOP_API_KEY", file=sys.stderr)
     print(stack.gateway)     # stdout: the address alone, for scripts (ADDR=$(kvpop up))
     return 0

@@ -27,8 +27,12 @@ class Record:
 
     def __init__(self, req, client_id: str | None = None):
         self.req = req
-        # Each simulated user names itself, as the gateway's per-client stream limit expects.
-        self.metadata = (("x-client-id", client_id),) if client_id else None
+        from kvpop.gateway_channel import key_metadata
+
+        # Each simulated user names itself, as the gateway's per-client stream limit expects
+        # (a gateway with API keys counts per key instead: KVPOP_API_KEY is sent when set).
+        md = key_metadata() + ((("x-client-id", client_id),) if client_id else ())
+        self.metadata = md or None
         self.stamps: list[float] = []
         self.text: list[str] = []
         self.usage, self.error = None, None

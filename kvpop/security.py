@@ -55,13 +55,7 @@ class SecurityConfig:
         env = os.environ if env is None else env
 
         def pem(var: str) -> bytes | None:
-            path = env.get(var) or None
-            if path is None:
-                return None
-            try:
-                return Path(path).read_bytes()
-            except OSError as e:
-                raise SecurityConfigError(f"{var}={path}: cannot read ({e.strerror})") from e
+            return read_pem(var, env.get(var) or "")
 
         cert, key = pem(ENV_CERT), pem(ENV_KEY)
         if (cert is None) != (key is None):
@@ -75,6 +69,17 @@ class SecurityConfig:
         return cls(token=token, cert=cert, key=key, ca=pem(ENV_CA),
                    server_name=env.get(ENV_SERVER_NAME) or None)
 
+    @classmethod
+    def server_files(cls, cert: tuple[str, str], key: tuple[str, str], ca: tuple[str, str]) -> "SecurityConfig":
+        """TLS of a server from (variable, path) pairs, the variables named in errors:
+        cert and key, or neither; a CA requires client certificates signed by it."""
+        c, k, a = (read_pem(*pair) for pair in (cert, key, ca))
+        if (c is None) != (k is None):
+            raise SecurityConfigError(f"set both {cert[0]} and {key[0]}, or neither")
+        if a is not None and c is None:
+            raise SecurityConfigError(f"{ca[0]} (client certificates) needs {cert[0]} and {key[0]} (TLS)")
+        return cls(cert=c, key=k, ca=a)
+
     @property
     def server_tls(self) -> bool:
         return self.cert is not None
@@ -85,6 +90,16 @@ class SecurityConfig:
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+def read_pem(var: str, path: str) -> bytes | None:
+    """The PEM file `path` ('' = none); SecurityConfigError naming `var` when unreadable."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityConfigError(f"{var}={path}: cannot read ({e.strerror})") from e
 
 
 def read_token(path: str | Path) -> str:
@@ -146,27 +161,30 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 _DENIED = "missing or wrong bearer token (KVPOP_INTERNAL_TOKEN)"
 
 
-async def _deny(_request, context: grpc.aio.ServicerContext):
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-
-
-async def _deny_stream(_request, context: grpc.aio.ServicerContext):
-    # An async generator, as other interceptors (OpenTelemetry's) iterate
-    # the behaviour of a streaming-response method.
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-    yield  # pragma: no cover
-
-
 def _unauthenticated(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    # No request deserializer: a rejected caller's bytes are never parsed.
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+
+def refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind that ends every call with `code` and `message`.
+    No request deserializer: a refused caller's bytes are never parsed."""
+    async def deny(_request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+
+    async def deny_stream(_request, context: grpc.aio.ServicerContext):
+        # An async generator, as other interceptors (OpenTelemetry's) iterate
+        # the behaviour of a streaming-response method.
+        await context.abort(code, message)
+        yield  # pragma: no cover
+
     ser = handler.response_serializer
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_deny, None, ser)
+        return grpc.unary_unary_rpc_method_handler(deny, None, ser)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream, None, ser)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, None, ser)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_deny, None, ser)
-    return grpc.stream_stream_rpc_method_handler(_deny_stream, None, ser)
+        return grpc.stream_unary_rpc_method_handler(deny, None, ser)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, None, ser)
 
 
 def server_interceptors(cfg: SecurityConfig) -> list[grpc.aio.ServerInterceptor]:

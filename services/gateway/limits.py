@@ -1,10 +1,11 @@
 """Concurrent Generate streams per client (KVPOP_MAX_STREAMS_PER_CLIENT).
 
-A client is the `x-client-id` request metadata when present (set it at your
-authenticating proxy: a client can choose its own id), otherwise the IP
-address of the peer, so one host opening many connections still counts once.
-Behind a proxy that does not forward `x-client-id`, every request comes from
-the proxy's address and shares one allowance.
+With API keys a client is its key's name (its line's `streams=N` overrides the
+limit). Without them it is the `x-client-id` request metadata when present
+(set it at your authenticating proxy: a client can choose its own id),
+otherwise the IP address of the peer, so one host opening many connections
+still counts once. Behind a proxy that does not forward `x-client-id`, every
+request comes from the proxy's address and shares one allowance.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def peer_host(peer: str) -> str:
     return peer
 
 
-def client_key(context: grpc.aio.ServicerContext) -> str:
+def client_key(context: grpc.aio.ServicerContext, key_name: str | None = None) -> str:
+    if key_name:
+        return f"key:{key_name}"
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_KEY:
             value = value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -45,12 +48,16 @@ class StreamLimiter:
         self.limit = limit
         self.open: Counter[str] = Counter()
 
-    def acquire(self, client: str) -> None:
-        """Raises Invalid(RESOURCE_EXHAUSTED) when the client is at its limit."""
-        if self.limit and self.open[client] >= self.limit:
-            raise Invalid(f"client {client.split(':', 1)[1]!r} already has {self.open[client]} streams open; "
-                          f"the limit is {self.limit} (KVPOP_MAX_STREAMS_PER_CLIENT)",
-                          grpc.StatusCode.RESOURCE_EXHAUSTED)
+    def acquire(self, client: str, limit: int | None = None) -> None:
+        """Raises Invalid(RESOURCE_EXHAUSTED) when the client is at its limit
+        (`limit`: this client's own, else the shared one)."""
+        limit = self.limit if limit is None else limit
+        if limit and self.open[client] >= limit:
+            kind, name = client.split(":", 1)
+            who, which = ((f"API key {name!r}", "its streams limit") if kind == "key"
+                          else (f"client {name!r}", "KVPOP_MAX_STREAMS_PER_CLIENT"))
+            raise Invalid(f"{who} already has {self.open[client]} streams open; the limit is {limit} ({which}): "
+                          f"retry when one of them has finished", grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.open[client] += 1
 
     def release(self, client: str) -> None:

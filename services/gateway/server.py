@@ -7,6 +7,10 @@ response path: a Redis outage delays them (queued, retried), never a stream.
 A session's turn continues its resident KV or is re-prefilled from its stored
 history (sessions.py).
 
+Access: with API keys (auth.py) each call runs as its key: that key's limits
+(admission.py) and its own sessions (ownership.py: stored and continued
+under the key's name; another key naming the id gets NOT_FOUND).
+
 Health: "" and `kvpop.v1.KVpop` are SERVING while at least one compute replica
 answers SERVING (probed every `PROBE_PERIOD_S` on the channels traffic uses),
 so a gateway with no compute behind it says so within a second, and says
@@ -31,8 +35,11 @@ from kvpop.prewarm import PrewarmCounter
 from kvpop.redis_client import RedisUnavailable, connect
 from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
 from kvpop.store import Session, SessionStore, Turn
+from services.gateway.admission import Admission, Admitted, Refused
+from services.gateway.auth import CALLER
 from services.gateway.decoding import Malformed, add_kvpop_servicer
-from services.gateway.limits import StreamLimiter, client_key
+from services.gateway.ownership import SessionOwners, scoped
+from services.gateway.rates import RETRY_AFTER
 from services.gateway.routing import Router
 from services.gateway.sessions import HistoryUnavailable, SessionTurn
 from services.gateway.validation import Invalid, validate
@@ -59,7 +66,8 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         self.router = Router(cfg.compute_address, registry)
         self.prewarm = PrewarmCounter(self.redis) if self.redis is not None else None
         self.info: compute_pb2.InfoResponse | None = None
-        self.streams = StreamLimiter(cfg.max_streams_per_client)
+        self.admission = Admission(cfg)
+        self.owners = SessionOwners(self.redis, cfg.session_ttl_s)
         self._background: set[asyncio.Task] = set()
         self._recording: dict[str, asyncio.Task] = {}      # session id -> its last turn being stored
         # Session id -> replica that served its last turn here: affinity while Redis is unreadable.
@@ -119,16 +127,19 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         info = await self._model_info(context)
+        key = CALLER.get()
         try:
             creq = validate(request, self.cfg, info)
-            client = client_key(context)
-            self.streams.acquire(client)
+            admitted = self.admission.admit(context, key, creq, request.HasField("max_tokens"))
+        except Refused as e:
+            retry = ((RETRY_AFTER, str(e.retry_after_s)),) if e.retry_after_s else ()
+            await context.abort(e.code, e.message, trailing_metadata=retry)
         except Invalid as e:
             await context.abort(e.code, e.message)
         # Started before any await: a client that goes away while its session is
         # looked up is counted like one that goes away mid-stream.
         timer = get_metrics().request()
-        inner = self._generate(request, creq, context, timer)
+        inner = self._generate(request, creq, context, timer, admitted)
         try:
             async for r in inner:
                 yield r
@@ -139,14 +150,22 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
             timer.fail("incomplete")    # no-op when finish() or fail() already ran
             # Now, not whenever the suspended generator is collected: compute frees the sequence at once.
             await inner.aclose()
-            self.streams.release(client)
+            self.admission.release(admitted)
 
     async def _generate(self, request, creq: compute_pb2.ComputeRequest, context: grpc.aio.ServicerContext,
-                        timer):
+                        timer, admitted: Admitted):
         remaining = context.time_remaining()
         if self.prewarm is not None and request.prompt:     # chats are not counted (yet)
             self._spawn(self._count_prefixes(request.prompt))
-        sid = request.session_id
+        # The session as stored and continued: the key's own (ownership.py).
+        sid = scoped(admitted.key, request.session_id) if request.session_id else ""
+        if sid and admitted.key is not None and not await self.owners.claim(request.session_id, admitted.key):
+            self.admission.session_refused(admitted)
+            timer.fail("NOT_FOUND")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"API key {admitted.key!r} has no session {request.session_id!r}; session ids "
+                                f"are per key and this one is taken: choose another")
+        creq.session_id = sid
         # Moves to another replica while nothing was streamed (routing.py); a session
         # continues its resident KV or is re-prefilled from its history (sessions.py).
         call = SessionTurn(self.router, creq, remaining, await self._session(sid), self._owners.get(sid),
@@ -161,6 +180,7 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                     text.append(r.chunk.text)
                     ids.extend(r.chunk.token_ids)
                     timer.token(len(r.chunk.token_ids))
+                    self.admission.generated(admitted, len(r.chunk.token_ids))
                 elif r.HasField("finished"):
                     finish = _FINISH_WORDS.get(r.finished.finish_reason, r.finished.finish_reason_text)
                     u = r.finished.usage
@@ -169,6 +189,8 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                         session = (f", session {sid} resumed" if u.session_resumed else
                                    f", session {sid} re-prefilled {u.reprefilled_tokens} tokens"
                                    if u.reprefilled_tokens else f", session {sid} started")
+                    if admitted.key is not None:
+                        session += f", key {admitted.key}"
                 yield r
         except (asyncio.CancelledError, GeneratorExit):
             timer.fail("cancelled")

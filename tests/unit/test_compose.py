@@ -45,6 +45,14 @@ def ours(compose) -> list[tuple[str, str, dict]]:
     return out
 
 
+def test_gateway_requires_keys_from_a_compose_secret(compose):
+    gw = compose["services"]["gateway"]
+    [secret] = gw["secrets"]
+    assert _env(gw)["KVPOP_API_KEYS_FILE"] == f"/run/secrets/{secret}"
+    assert compose["secrets"][secret]["file"] == "${KVPOP_API_KEYS_HOST_FILE:-./api_keys}"
+    assert "/compose/api_keys" in (REPO / ".gitignore").read_text().split()
+
+
 def test_replica_file_joins_the_shared_redis(compose):
     replica = yaml.safe_load((COMPOSE_DIR / "replica.yml").read_text())
     assert set(replica["services"]) == {"cache-manager", "compute"}
@@ -267,6 +275,13 @@ class LocalStack:
                        KVPOP_MAX_NUM_SEQS="4", KVPOP_MAX_MODEL_LEN="512")
         if name == "cache-manager":
             env.update(KVPOP_ESTIMATOR=str(REPO / "models" / "default"))
+        if name == "gateway":
+            # The compose secret, as `kvpop keys new` makes it on the host.
+            from services.gateway.apikeys import append_key, new_key
+            keys = self.tmp / "api_keys"
+            if not keys.exists():
+                append_key(keys, "compose-test", new_key())
+            env.update(KVPOP_API_KEYS_FILE=str(keys))
         return {k: v for k, v in env.items() if v != "" or not k.startswith("KVPOP_")}
 
     def start(self, name: str) -> None:
