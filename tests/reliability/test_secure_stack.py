@@ -102,9 +102,10 @@ def test_every_port_binds_loopback_by_default(secure_stack):
 
 
 def test_host_setting_exposes_the_port(tmp_path):
-    """KVPOP_HOST=0.0.0.0 is the way to expose a service (the compose file does)."""
+    """KVPOP_HOST=0.0.0.0 is the way to expose a service (the compose file does; the
+    public gateway then needs API keys or the explicit opt-out)."""
     port, mport = free_port(), free_port()
-    env = {**clean_env(), "KVPOP_HOST": "0.0.0.0", "KVPOP_GATEWAY_PORT": str(port),
+    env = {**clean_env(), "KVPOP_HOST": "0.0.0.0", "KVPOP_ALLOW_NO_KEYS": "true", "KVPOP_GATEWAY_PORT": str(port),
            "KVPOP_METRICS_PORT": str(mport), "KVPOP_COMPUTE_ADDRESS": f"127.0.0.1:{free_port()}"}
     with open(tmp_path / "gateway.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO_ROOT,
