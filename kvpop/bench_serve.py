@@ -376,13 +376,25 @@ def plots(rows, policies, rates, out: Path) -> None:
     several = len({variant(r) for r in rows}) > 1
     name = lambda r: f"{r['policy']}, {variant(r)}" if several else r["policy"]
     fig, ax = plt.subplots(figsize=(5, 3.4))
-    for label in dict.fromkeys(name(r) for r in rows):
-        pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if name(r) == label)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-    ax.set_xticks([v[0] for v in xs.values()], [v[1] for v in xs.values()])
-    ax.set_xlabel("offered load (requests/s)")
+    if len(xs) == 1:
+        # One rate: a bar per (stack, policy), its accuracy on top, so speed and quality read together.
+        labels = list(dict.fromkeys(name(r) for r in rows))
+        tps = [next(r["output_tokens_per_s"] for r in rows if name(r) == lb) for lb in labels]
+        acc = [next(r["accuracy"] for r in rows if name(r) == lb) for lb in labels]
+        bars = ax.bar(range(len(labels)), tps, color=["#888" if lb.startswith("dense") else "#3a7" for lb in labels])
+        for b_, a_ in zip(bars, acc):
+            ax.annotate(f"acc {a_:.2f}", (b_.get_x() + b_.get_width() / 2, b_.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(range(len(labels)), [lb.replace(", ", "\n") for lb in labels], fontsize=7)
+        ax.set_title(f"all requests at once (rate {next(iter(xs))})", fontsize=9)
+    else:
+        for label in dict.fromkeys(name(r) for r in rows):
+            pts = sorted((xs[r["rate"]][0], r["output_tokens_per_s"]) for r in rows if name(r) == label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax.set_xticks([v[0] for v in xs.values()], [v[1] for v in xs.values()])
+        ax.set_xlabel("offered load (requests/s)")
+        ax.legend()
     ax.set_ylabel("output tokens/s")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=120)
     plt.close(fig)
@@ -390,7 +402,7 @@ def plots(rows, policies, rates, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     for ax, key, title in ((axes[0], "_ttft", "time to first token (s)"), (axes[1], "_itl", "inter-token latency (s)")):
         for r in rows:
-            if r["rate"] == top and r[key]:
+            if r["rate"] == top and r.get(key):
                 v = sorted(r[key])
                 ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], label=name(r))
         ax.set_xscale("log")

@@ -58,6 +58,14 @@ class Window:
         return 0.0
 
 
+def _check(window: Window, limit: int, now: float, what: str, unit: str, which: str) -> None:
+    """RateExceeded when ``window`` holds ``limit`` or more in the last minute (0 = no limit)."""
+    if limit and window.total >= limit:
+        wait = window.wait_until_below(limit, now)
+        raise RateExceeded(f"{what.format(total=window.total)} in the last minute; its limit is {limit} {unit} "
+                           f"per minute: retry in {_seconds(wait)} s", wait, which)
+
+
 class KeyRates:
     """Windows per key name; limits are passed at each call (they may be reloaded)."""
 
@@ -74,18 +82,11 @@ class KeyRates:
     def admit(self, name: str, requests_per_minute: int, tokens_per_minute: int) -> None:
         """Count one request, or raise RateExceeded (0 = no limit)."""
         now = self.clock()
-        tokens = self._window(self.tokens, name, now)
-        if tokens_per_minute and tokens.total >= tokens_per_minute:
-            wait = tokens.wait_until_below(tokens_per_minute, now)
-            raise RateExceeded(f"API key {name!r} generated {tokens.total} tokens in the last minute; its limit "
-                               f"is {tokens_per_minute} tokens per minute: retry in {_seconds(wait)} s", wait,
-                               "tokens_per_minute")
+        _check(self._window(self.tokens, name, now), tokens_per_minute, now,
+               f"API key {name!r} generated {{total}} tokens", "tokens", "tokens_per_minute")
         requests = self._window(self.requests, name, now)
-        if requests_per_minute and requests.total >= requests_per_minute:
-            wait = requests.wait_until_below(requests_per_minute, now)
-            raise RateExceeded(f"API key {name!r} made {requests.total} requests in the last minute; its limit "
-                               f"is {requests_per_minute} requests per minute: retry in {_seconds(wait)} s", wait,
-                               "requests_per_minute")
+        _check(requests, requests_per_minute, now, f"API key {name!r} made {{total}} requests", "requests",
+               "requests_per_minute")
         requests.add(now, 1)
 
     def generated(self, name: str, n: int) -> None:

@@ -225,14 +225,19 @@ def test_per_key_limits_hold_a_burst_while_others_keep_their_latency(keyed):
         assert f'kvpop_api_key_refusals_total{{key="{name}",limit="{limit}"}}' in text, (name, limit)
 
 
-def test_tls_on_the_public_port(stack, tmp_path):
+def _tls_gateway(stack, tmp_path, user: str, **extra: str):
+    """(pki folder, a key of ``user``, a keyed gateway serving TLS with ``extra`` settings)."""
     pki = make_pki(tmp_path)
     key_file = tmp_path / "api_keys"
     key = new_key()
-    append_key(key_file, "tls-user", key)
-    gw = PublicGateway(stack, tmp_path, {"KVPOP_API_KEYS_FILE": str(key_file),
-                                         "KVPOP_PUBLIC_TLS_CERT": str(pki / "server.pem"),
-                                         "KVPOP_PUBLIC_TLS_KEY": str(pki / "server.key")})
+    append_key(key_file, user, key)
+    env = {"KVPOP_API_KEYS_FILE": str(key_file), "KVPOP_PUBLIC_TLS_CERT": str(pki / "server.pem"),
+           "KVPOP_PUBLIC_TLS_KEY": str(pki / "server.key"), **{k: v.format(pki=pki) for k, v in extra.items()}}
+    return pki, key, PublicGateway(stack, tmp_path, env)
+
+
+def test_tls_on_the_public_port(stack, tmp_path):
+    pki, key, gw = _tls_gateway(stack, tmp_path, "tls-user")
     good = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
     rogue = grpc.ssl_channel_credentials(root_certificates=(pki / "rogue-ca.pem").read_bytes())
     try:
@@ -266,14 +271,7 @@ def test_tls_on_the_public_port(stack, tmp_path):
 
 
 def test_client_certificates_on_the_public_port(stack, tmp_path):
-    pki = make_pki(tmp_path)
-    key_file = tmp_path / "api_keys"
-    key = new_key()
-    append_key(key_file, "mtls-user", key)
-    gw = PublicGateway(stack, tmp_path, {"KVPOP_API_KEYS_FILE": str(key_file),
-                                         "KVPOP_PUBLIC_TLS_CERT": str(pki / "server.pem"),
-                                         "KVPOP_PUBLIC_TLS_KEY": str(pki / "server.key"),
-                                         "KVPOP_PUBLIC_TLS_CA": str(pki / "ca.pem")})
+    pki, key, gw = _tls_gateway(stack, tmp_path, "mtls-user", KVPOP_PUBLIC_TLS_CA="{pki}/ca.pem")
     ca = (pki / "ca.pem").read_bytes()
     client = grpc.ssl_channel_credentials(ca, (pki / "client.key").read_bytes(), (pki / "client.pem").read_bytes())
     rogue = grpc.ssl_channel_credentials(ca, (pki / "rogue.key").read_bytes(), (pki / "rogue.pem").read_bytes())
