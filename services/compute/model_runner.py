@@ -52,6 +52,7 @@ class _Decode:
     nblk: torch.Tensor = None      # kernel: pages per sequence
     last_len: torch.Tensor = None  # kernel: written slots of the last page
     nbmax: int = 0                 # most resident blocks (columns) of a sequence
+    by_block: bool = False         # kernel over the pool's blocks view: tables name blocks, mass per block
     index: torch.Tensor = None     # tables as int64 (gather index)
     visible: torch.Tensor = None   # [L, B, Hkv, 1, S] bool
     length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
@@ -179,8 +180,8 @@ class ModelRunner:
                 only_decode = not prefill   # then rows are exactly 0..T-1: skip the gather/scatter
                 qd = q if only_decode else q[dec.rows]
                 if dec.kernel:
-                    o, mass = ops.paged_attention(qd, self.pool.k_pages, self.pool.v_pages,
-                                                  dec.tables[layer], dec.nblk, dec.last_len, self.scale)
+                    kp, vp = (self.k_blocks, self.v_blocks) if dec.by_block else (self.pool.k_pages, self.pool.v_pages)
+                    o, mass = ops.paged_attention(qd, kp, vp, dec.tables[layer], dec.nblk, dec.last_len, self.scale)
                     mass = mass.view(len(decode), self.Hkv, self.G, -1).mean(2) if dec.stats else None
                 else:
                     o, mass = self._decode_attention(layer, qd, dec)
@@ -238,13 +239,22 @@ class ModelRunner:
         # The new token is written before attention, so it counts too.
         cur = [s.num_cached for s, _ in decode]
         windowed = self.window is not None and max(cur) >= self.window
-        # The CUDA kernel has no window, and its mass is per page: per block only when a page is one block.
-        kernel = self.fused and not windowed and (self.c == 1 or not stats)
+        # The CUDA kernel has no window.
+        kernel = self.fused and not windowed
         # Padding names page 0 at a block number past every query (so the torch path masks it).
         seqs = [s for s, _ in decode]
         tables = stack_columns([s.page_table for s in seqs], npmax, 0)              # [L, B, Hkv, NP]
         bidx = None if kernel else stack_columns([s.block_index for s in seqs], nbmax, 1 << 30).long()
         meta = _Decode(torch.tensor([r for _, r in decode], device=dev), tables, stats, kernel, nbmax=nbmax)
+        if kernel and stats and self.c > 1:
+            # The kernel's mass is per page of its tables: give it the blocks view, a table
+            # entry per block (built from the page tables for the whole batch at once).
+            cols = torch.arange(nbmax, device=dev)
+            meta.tables = (tables.long()[..., cols // self.c] * self.c + cols % self.c).to(torch.int32)
+            meta.by_block = True
+            meta.nblk = torch.tensor([s.num_blocks for s, _ in decode], dtype=torch.int32, device=dev)
+            meta.last_len = torch.tensor([c % bs + 1 for c in cur], dtype=torch.int32, device=dev)
+            return meta
         if kernel:
             meta.nblk = torch.tensor([s.num_row_pages for s, _ in decode], dtype=torch.int32, device=dev)
             meta.last_len = torch.tensor([(s.num_blocks - 1) * bs + c % bs + 1 - (s.num_row_pages - 1) * self.page

@@ -168,3 +168,23 @@ def test_prefix_cache_pages_are_copied_by_budgeted_sequences(model):
     assert {r: t for r, t in with_cache.items() if r.startswith("dense")} == \
         {r: t for r, t in without.items() if r.startswith("dense")}
     assert cached.stats()["prefix_cache_hits"] == 4 and len(cached.prefix_cache.blocks) == 3
+
+
+@pytest.mark.parametrize("policy", ["dense", "h2o", "learned"])
+def test_the_kernel_path_over_blocks_decides_as_the_torch_path(model, policy):
+    """The decode kernel's mass is per entry of its page table: over 16-token
+    pages a budgeted batch hands it the pool's blocks view (a table entry per
+    block). Run here with the kernels' PyTorch references, it decodes and
+    evicts exactly as the torch path."""
+    prompts = [random_prompt(n, seed=n) for n in (70, 41)]
+
+    def run(fused):
+        advisor = ScriptedAdvisor() if policy == "learned" else None
+        engine = tiny_engine(model, advisor=advisor, block_size=1, page_size=16, prefill_chunk=24)
+        engine.runner.fused = fused
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=10, ignore_eos=True),
+                               EvictionParams(policy, budget=None if policy == "dense" else 32, sink=4, recent=8))
+        return {r: ([o.token_id for o in o_], o_[-1].usage) for r, o_ in run_all(engine).items()}
+
+    assert run(True) == run(False)
