@@ -169,21 +169,28 @@ def compact_pages(seqs: list[Sequence], keep: torch.Tensor, left: list[int], cho
         for s, t in zip(seqs, tables.gather(2, keep).split(left, 2)):
             s.page_table = t
         return
-    starts = itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0)
-    src, dst, gone = [], [], []
-    for s, k, start in zip(seqs, keep.split(left, 2), starts):
-        col = k - start                                                      # [L, Hkv, K] old columns
-        new = torch.arange(col.shape[2], device=col.device).expand_as(col)
-        src.append(s.page_table.gather(2, col // c) * c + col % c)
-        dst.append(s.page_table.gather(2, new // c) * c + new % c)
-        n = s.pages_for(col.shape[2])
-        gone.append(s.page_table[:, :, n:].reshape(-1))
-        s.page_table = s.page_table[:, :, :n]
-    src, dst = torch.cat([t.reshape(-1) for t in src]), torch.cat([t.reshape(-1) for t in dst])
+    # All sequences at once (a few ops per round, not per sequence): each kept column's
+    # old and new column within its own sequence, and its sequence's first page.
+    dev, host = keep.device, lambda vals: torch.tensor(vals, device=dev)
+    nps = [s.num_row_pages for s in seqs]
+    keep_pages = [s.pages_for(k) for s, k in zip(seqs, left)]
+    seg = _segments(left, dev)                                               # [sum K] each kept column's sequence
+    col = keep - host(list(itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0)))[seg]
+    new = torch.arange(keep.shape[2], device=dev) - host(list(itertools.accumulate(left[:-1], initial=0)))[seg]
+    first_page = host(list(itertools.accumulate(nps[:-1], initial=0)))[seg]
+    tables = cat([s.page_table for s in seqs]).long()                        # [L, Hkv, sum NP]
+    src = tables.gather(2, first_page + col // c) * c + col % c
+    dst = tables.gather(2, (first_page + new // c).expand_as(col)) * c + new % c
     moved = src != dst
     k_blocks, v_blocks = pool.blocks_view(seqs[0].block_size)
     ops.move_blocks(k_blocks, v_blocks, src[moved], dst[moved])
-    pool.free(torch.cat(gone))
+    # Pages past what the kept columns fill go back; the rest stay each sequence's table.
+    page_seg = _segments(nps, dev)
+    local = torch.arange(tables.shape[2], device=dev) - host(list(itertools.accumulate(nps[:-1], initial=0)))[page_seg]
+    stays = local < host(keep_pages)[page_seg]
+    pool.free(tables[:, :, ~stays])
+    for s, t in zip(seqs, tables[:, :, stays].to(torch.int32).split(keep_pages, 2)):
+        s.page_table = t
 
 
 def overshoot(seq: Sequence) -> int:
