@@ -223,7 +223,7 @@ class GatewayConfig(ServerConfig):
     default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
     max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
     session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
-    # Who may call the public API (services/gateway/apikeys.py, docs/api.md).
+    # Who may call the public API (services/gateway/apikeys.py, docs/reference/api.md).
     api_keys_file: str = setting("KVPOP_API_KEYS_FILE", "", "file of API keys, one 'NAME sha256:HASH [limit=N ...]' "
                                  "a line (`kvpop keys new`); re-read when it changes. Calls then need "
                                  "'authorization: Bearer <key>' (UNAUTHENTICATED without); health and reflection "

@@ -19,7 +19,7 @@ Health names (grpc.health.v1), the same on every service:
   when the event loop stops turning for `LIVE_STALE_S`.
 - capability names (`kvpop.compute.advisor`, `kvpop.compute.redis`,
   `kvpop.gateway.redis`, ...): a dependency that degrades the service without
-  stopping it; NOT_SERVING while it is gone (docs/deploy.md lists them).
+  stopping it; NOT_SERVING while it is gone (docs/guides/deploy.md lists them).
 
 Reflection is served on the public gateway, and on compute and the
 cache-manager only with `KVPOP_REFLECTION=on`.

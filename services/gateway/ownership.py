@@ -14,7 +14,7 @@ name that its owner would mistake for theirs. While Redis is unreachable
 the claims this gateway saw are checked from memory.
 
 Without API keys sessions belong to no one: whoever names a session id
-continues it (docs/api.md says so).
+continues it (docs/reference/api.md says so).
 """
 from __future__ import annotations
 

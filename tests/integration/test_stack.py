@@ -86,7 +86,7 @@ def test_one_trace_spans_all_services(gateway, compute, otlp):
     got = otlp.wait_for(trace_id, want, timeout=15)
     assert want <= got, f"trace {trace_id} has spans from {got} only"
     assert ("cache-manager", "cache_manager.plan") in otlp.span_names(trace_id)
-    # Compute's span says how the budget held and what the request ended with (docs/configuration.md).
+    # Compute's span says how the budget held and what the request ended with (docs/reference/configuration.md).
     [attrs] = otlp.span_attributes(trace_id, "compute", "kvpop.compute.v1.Compute/Serve")
     assert attrs["kvpop.policy"] == "learned" and attrs["kvpop.budget_holds"] == "prefill_x1.5", attrs
     assert attrs["kvpop.kv_blocks_peak"] == final.usage.kv_blocks_peak > 0, attrs

@@ -1,6 +1,6 @@
 """Fuzzing the public API (hypothesis): every GenerateRequest field with
 random, extreme, unicode and huge values, and raw bytes as the request
-message. Each request gets a clear status — OK when docs/api.md says the
+message. Each request gets a clear status — OK when docs/reference/api.md says the
 request is valid, INVALID_ARGUMENT or RESOURCE_EXHAUSTED with a message when
 it is not, never UNKNOWN/INTERNAL or a traceback. Meanwhile a good request
 runs again and again and always gets the tokens it gets alone, and afterwards
@@ -139,10 +139,10 @@ EDGES = [(dict(f), name) for f, name in [
 ]]
 
 
-# ---- the documented rules (docs/api.md), as an oracle ----------------------
+# ---- the documented rules (docs/reference/api.md), as an oracle ----------------------
 
 def expected(req: generate_pb2.GenerateRequest, policies: list[str]) -> set[grpc.StatusCode]:
-    """The statuses docs/api.md allows for `req` (a set when rules leave room)."""
+    """The statuses docs/reference/api.md allows for `req` (a set when rules leave room)."""
     bad: set[grpc.StatusCode] = set()
     grey = False
 

@@ -230,7 +230,7 @@ def _settings(name: str) -> set[str]:
 
 
 def test_every_setting_is_read_by_its_service_and_documented(ours):
-    doc = (REPO / "docs" / "configuration.md").read_text()
+    doc = (REPO / "docs" / "reference" / "configuration.md").read_text()
     for file, name, svc in ours:
         known = _settings(name)
         for var in _env(svc):
@@ -238,7 +238,7 @@ def test_every_setting_is_read_by_its_service_and_documented(ours):
                 continue
             assert var in known, f"{file}: {name}: {var} is not a setting of kvpop-{name}"
         for var in known:
-            assert f"`{var}`" in doc, f"{var} missing from docs/configuration.md"
+            assert f"`{var}`" in doc, f"{var} missing from docs/reference/configuration.md"
 
 
 # ---- health check commands against locally started services ----------------

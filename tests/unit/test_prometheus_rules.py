@@ -69,7 +69,7 @@ def test_every_metric_named_is_exported():
 
 def test_deploy_doc_lists_every_alert_and_panel():
     import json
-    doc = (PROM_DIR.parents[2] / "docs" / "deploy.md").read_text()
+    doc = (PROM_DIR.parents[2] / "docs" / "guides" / "deploy.md").read_text()
     alerts = [r["alert"] for g in yaml.safe_load((PROM_DIR / "alerts.yml").read_text())["groups"]
               for r in g["rules"] if "alert" in r]
     panels = json.loads(DASHBOARD.read_text())["panels"]
