@@ -1,34 +1,8 @@
 """Prometheus metrics of one kvpop process, and the HTTP server for them.
 
 Names follow vLLM's and TGI's metrics with Prometheus conventions (`kvpop_`
-prefix, base units, `_total` counters):
-
-| metric | type | who sets it |
-| --- | --- | --- |
-| `kvpop_time_to_first_token_seconds` | histogram | gateway, compute (per stream) |
-| `kvpop_inter_token_latency_seconds` | histogram | gateway, compute |
-| `kvpop_e2e_request_latency_seconds` | histogram | gateway, compute |
-| `kvpop_requests_in_flight` | gauge | gateway, compute (open streams) |
-| `kvpop_request_success_total{finish_reason}` | counter | gateway, compute |
-| `kvpop_request_failure_total{reason}` | counter | gateway, compute (gRPC code name, or `cancelled`) |
-| `kvpop_prompt_tokens_total`, `kvpop_generation_tokens_total` | counter | gateway (usage); compute (engine stats) |
-| `kvpop_num_requests_running`, `kvpop_num_requests_waiting` | gauge | compute (engine stats) |
-| `kvpop_kv_pool_pages_used`, `_free`, `_total` | gauge | compute |
-| `kvpop_kv_evictions_total{policy}` | counter | compute (blocks evicted) |
-| `kvpop_kv_fallback_evictions_total` | counter | compute (`learned` blocks ranked by compute's fallback) |
-| `kvpop_kv_evicted_blocks_total{policy,source,reason}` | counter | compute: `source` is `network` (the cache-manager's network), `advisor_heuristic` (its heuristic: no estimator fits), `local` (a heuristic policy), `fallback` with `reason` `no_plan`, `advisor_down`, `malformed_plan`, `shape_mismatch`, `cleanup` or `unranked` |
-| `kvpop_learned_sequences_held` | gauge | compute (learned sequences waiting for their plan now) |
-| `kvpop_prefix_cache_queries_total`, `kvpop_prefix_cache_hits_total` | counter | compute; hit rate = rate(hits) / rate(queries) |
-| `kvpop_scoring_latency_seconds` | histogram | cache-manager (one scoring round: the time to compute one plan) |
-| `kvpop_eviction_plans_sent_total{estimator}` | counter | cache-manager (plans computed and sent, by the network that ranked them: its checkpoint's file name, or `heuristic`) |
-| `kvpop_eviction_plans_received_total` | counter | compute (plans that came over the `Advise` stream) |
-| `kvpop_eviction_plans_applied_total` | counter | compute (plans an eviction round used; each plan once) |
-| `kvpop_eviction_plans_late_total{reason}` | counter | compute: never applied, `superseded` (a newer plan came first) or `stale` (ranks fewer blocks than were sent since) |
-| `kvpop_eviction_plans_dropped_total{reason}` | counter | compute: unusable, `finished` (request ended), `malformed_plan`, `shape_mismatch` |
-| `kvpop_eviction_plan_latency_seconds` | histogram | compute (block features sent → the plan answering them received) |
-| `kvpop_budget_shrinks_total` | counter | compute (KV budgets the scheduler shrank to admit more under pool pressure) |
-| `kvpop_service_ready` | gauge | every service: 1 while ready (`/healthz` 200, grpc.health.v1 `""` SERVING), else 0; read at each scrape |
-| `kvpop_service_info{service,version}` | gauge (1) | every service |
+prefix, base units, `_total` counters); docs/reference/metrics.md lists every
+series and who sets it (a test keeps the two in step).
 
 A plan received is applied, late, dropped, or still pending when its sequence
 ends (no round needed it): the four do not have to add up to the received.
@@ -119,8 +93,9 @@ class Metrics:
             "kvpop_kv_evicted_blocks", "KV blocks evicted, by policy and by what ranked them.",
             ["policy", "source", "reason"], registry=r)
         self.kv_peak = Histogram("kvpop_request_kv_peak_pages",
-                                 "Most KV pages a finished request held at once (its Usage.kv_blocks_peak), "
-                                 "by policy: a budget held during prefill keeps it near budget + one chunk.",
+                                 "Most KV blocks a finished request held at once, summed over its rows (its "
+                                 "Usage.kv_blocks_peak), by policy: a budget held during prefill keeps it near "
+                                 "budget + one chunk.",
                                  ["policy"], buckets=KV_PAGE_BUCKETS, registry=r)
         self.held = Gauge("kvpop_learned_sequences_held",
                           "Learned sequences held (alone) waiting for their eviction plan.", registry=r)

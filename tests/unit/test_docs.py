@@ -134,3 +134,22 @@ def test_the_cli_reference_is_what_the_parsers_say():
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "cli_reference.py"), "--check"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
+
+
+def test_every_metric_is_in_the_metrics_reference():
+    from prometheus_client import CollectorRegistry
+
+    from kvpop.metrics import Metrics
+    from services.gateway.key_metrics import KeyMetrics
+
+    doc = (REPO / "docs" / "reference" / "metrics.md").read_text()
+    KeyMetrics()   # registers into the process's registry
+    from kvpop.metrics import get_metrics
+    names = set()
+    for registry in (Metrics(CollectorRegistry(), process_collectors=False).registry, get_metrics().registry):
+        for fam in registry.collect():
+            if fam.name.startswith("kvpop_"):
+                names.add(fam.name + "_total" if fam.type == "counter" else fam.name)
+    assert len(names) > 25
+    missing = sorted(n for n in names if f"`{n}" not in doc and f"{n.rsplit('_', 1)[0]}_" not in doc)
+    assert not missing, f"metrics not in docs/reference/metrics.md: {missing}"
