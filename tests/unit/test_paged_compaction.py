@@ -93,14 +93,20 @@ def model():
     return tiny_model(seed=11)
 
 
-def _serve(model, page_size, policy, prompts, budget, block_size=1):
+def _serve(model, page_size, policy, prompts, budget, block_size=1, session=None, **protocol):
     advisor = ScriptedAdvisor() if policy == "learned" else None
     engine = tiny_engine(model, advisor=advisor, block_size=block_size, page_size=page_size, num_pages=20000,
                          prefill_chunk=24)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = {}
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sp, EvictionParams(policy, budget=budget, sink=4, recent=8))
-    outs = run_all(engine)
+        engine.add_request(str(i), p, sp, EvictionParams(policy, budget=budget, sink=4, recent=8, **protocol),
+                           session_id=session)
+        if session is not None:   # turns one after the other: each continues the parked session
+            outs.update(run_all(engine))
+    outs.update(run_all(engine))
+    if session is not None:
+        assert engine.drop_session(session)
     assert engine.pool.num_free == engine.pool.capacity
     return {r: ([o.token_id for o in o_], o_[-1].usage) for r, o_ in outs.items()}
 
@@ -117,6 +123,20 @@ def test_pages_of_16_decide_exactly_as_pages_of_one_token(model, policy):
         assert paged[rid][0] == token[rid][0], rid
         assert paged[rid][1] == token[rid][1], rid
         assert paged[rid][1].kv_blocks_evicted > 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "learned"])
+@pytest.mark.parametrize("protocol", [{"after_prompt": True}, {"prefill_allowance": 2.0}, {"session": "s"}])
+def test_every_protocol_decides_as_pages_of_one_token(model, policy, protocol):
+    """The budget after the prompt (one round over the whole prompt), a
+    prefill allowance, and a session's turns (parked rows continued) over
+    16-token pages: the same tokens and usage as over one-token pages."""
+    prompts = [random_prompt(n, seed=n) for n in (70, 41, 96)]
+    paged = _serve(model, 16, policy, prompts, 32, **protocol)
+    token = _serve(model, 1, policy, prompts, 32, **protocol)
+    assert paged.keys() == token.keys()
+    for rid in token:
+        assert paged[rid] == token[rid], rid
 
 
 def test_peak_is_the_budget_plus_one_chunk_and_pages_come_back(model):
