@@ -192,3 +192,74 @@ def test_chat_sessions_continue_their_kv_and_move_with_their_history(redis_serve
             gw.terminate()
             gw.wait(20)
         reps.close()
+
+
+def test_a_chat_session_is_its_keys_alone(redis_server, tmp_path):
+    from services.compute.engine import EngineConfig, LLMEngine
+    from services.gateway.apikeys import append_key, new_key
+    from services.gateway.ownership import claim_key
+
+    model = chat_model(tmp_path / "model")
+    keys = {name: new_key() for name in ("alice", "bob")}
+    for name, key in keys.items():
+        append_key(tmp_path / "api_keys", name, key)
+    reps = Replicas(redis_server, tmp_path)
+    gw_port = free_port()
+    env = {**gateway_env(redis_server.url, gw_port), "KVPOP_API_KEYS_FILE": str(tmp_path / "api_keys")}
+    gw = None
+    rc = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        reps.start("r-a", KVPOP_MODEL_DIR=str(model))
+        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
+                              stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
+        address = f"127.0.0.1:{gw_port}"
+        reference = LLMEngine(EngineConfig(str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
+                                           prefix_cache_fraction=0))
+        tok = reference.tokenizer
+
+        def up():
+            assert gw.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
+            return _serving(address) and _serving(reps.addresses["r-a"])
+        wait_until(up, 120, "gateway and r-a SERVING")
+
+        def turn(key: str, msg: str):
+            req = generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(role="user", content=msg)],
+                                               max_tokens=N, ignore_eos=True, session_id="pin")
+            ids, text, usage = [], [], None
+            for r in stub.Generate(req, metadata=(("authorization", f"Bearer {keys[key]}"),), timeout=60):
+                if r.HasField("chunk"):
+                    ids.extend(r.chunk.token_ids)
+                    text.append(r.chunk.text)
+                else:
+                    usage = r.finished.usage
+            return ids, "".join(text), usage
+
+        def stored_turns() -> int:
+            return json.loads(rc.get(session_key("alice~pin")) or "{}").get("turns", 0)
+
+        with grpc.insecure_channel(address) as ch:
+            stub = generate_pb2_grpc.KVpopStub(ch)
+            secret = {"role": "user", "content": "My PIN is 4719."}
+            _, text, _ = turn("alice", secret["content"])
+            assert rc.get(claim_key("pin")) == "alice"
+            with pytest.raises(grpc.RpcError) as e:
+                turn("bob", "What is the PIN?")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            wait_until(lambda: stored_turns() == 1, 10, "alice's turn stored")
+            assert json.loads(rc.get(session_key("alice~pin")))["chat"] and not rc.exists(session_key("pin"))
+            # Her next turn is re-prefilled (its replica named gone) from the history under her name.
+            record = json.loads(rc.get(session_key("alice~pin")))
+            rc.set(session_key("alice~pin"), json.dumps({**record, "replica": "gone"}), keepttl=True)
+            history = [i for t in rc.lrange(turns_key("alice~pin"), 0, -1)
+                       for i in json.loads(t)["prompt_token_ids"] + json.loads(t)["completion_token_ids"]]
+            ask = {"role": "user", "content": "What is my PIN?"}
+            ids, _, u = turn("alice", ask["content"])
+            assert u.reprefilled_tokens == len(history)
+            from services.compute.engine import SamplingParams
+            whole = history + tok.encode_chat_turn([secret, {"role": "assistant", "content": text}], [ask])
+            assert ids == [o.token_id for o in reference.generate(whole, SamplingParams(max_tokens=N, ignore_eos=True))]
+    finally:
+        if gw is not None and gw.poll() is None:
+            gw.terminate()
+            gw.wait(20)
+        reps.close()
