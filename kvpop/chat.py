@@ -22,7 +22,7 @@ HELP = "type a message; /usage shows the last turn's usage, /reset starts over, 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session", help="continue this session (default: a new one)")
-    p.add_argument("--system", metavar="TEXT", help="a system message before the first turn")
+    p.add_argument("--system", metavar="TEXT", help="a system message before the first message typed")
     p.add_argument("--max-tokens", type=int, help="most tokens per reply (server default 128)")
     p.add_argument("--temperature", type=float, help="sampling temperature >= 0; 0 (the default) is greedy")
     p.add_argument("--policy", metavar="POLICY",
@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     from kvpop.pb import generate_pb2_grpc
 
     address = gateway_address(args)
-    session, first, last = args.session or new_session(), not args.session, "no turn yet"
+    # --system goes with this REPL's first turn (a system message later in a chat is the template's to take).
+    session, first, last = args.session or new_session(), True, "no turn yet"
     interactive = sys.stdin.isatty()
     print(f"session {session} ({HELP})", file=sys.stderr)
     with public_channel(address, args.ca) as channel:

@@ -237,9 +237,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         as_dicts = lambda ms: [{"role": m.role, "content": m.content} for m in ms]  # noqa: E731
         if continues != bool(request.chat_history):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                          "a chat turn continues a session's KV or history exactly when it brings the "
-                          "conversation so far (chat_history)" if request.chat_history else
-                          "messages cannot continue a text session")
+                          f"session {request.session_id!r}: a chat turn with the conversation so far needs the "
+                          f"session's KV or token history" if request.chat_history else
+                          f"session {request.session_id!r} holds tokens on replica {self.replica_id} but its "
+                          f"turn brings no conversation so far: continue it with a prompt, or start a chat "
+                          f"under another session_id")
         tok = self.engine.engine.tokenizer
         try:
             if not request.chat_history:

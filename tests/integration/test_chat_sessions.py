@@ -4,7 +4,8 @@ only its new message; compute appends the template's difference to the
 session's resident KV, and the greedy reply equals a fresh dense run of the
 whole conversation's tokens. After the replica holding it is SIGKILLed the
 next turn is re-prefilled on the other one from the history in Redis, and
-still equals it. A client resending the whole conversation gets the same turn;
+still equals it. A budgeted chat holds its KV flat from turn to turn. A client
+resending the whole conversation gets the same turn;
 prompt turns and chat turns do not mix in one session; `kvpop generate --chat
 --session` and `kvpop chat` continue one chat across calls."""
 from __future__ import annotations
@@ -136,6 +137,16 @@ def test_chat_sessions_continue_their_kv_and_move_with_their_history(redis_serve
             assert [t["messages"] for t in stored[1:]] == [[{"role": "user", "content": m}] for m in
                                                            ("Bob gives her 2 more.", "How many now?")]
             assert chat.record("c1")["chat"] and chat.record("c1")["replica"] == "r-a"
+
+            # A budgeted chat: its KV stays at the budget, turn after turn.
+            resident = []
+            for i, msg in enumerate(("Dave walks 4 km north, then 3 km east, then 2 km south, then 1 km west.",
+                                     "Then 5 more.", "And back.", "How far?")):
+                _, _, u = chat.turn("c2", ("user", msg), policy="h2o", budget_tokens=32)
+                assert u.session_resumed == (i > 0) and u.kv_blocks_evicted > 0, u
+                resident.append(u.kv_blocks_resident)
+            print(f"\nbudgeted chat: kv blocks resident per turn {resident}")
+            assert len(set(resident)) == 1, resident
 
             # Prompt turns and chat turns do not mix in one session.
             with pytest.raises(grpc.RpcError) as e:
