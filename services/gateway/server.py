@@ -5,7 +5,8 @@ remaining time and is cancelled when the client goes away, so compute aborts
 the sequence. Sessions are written to Redis after the stream, off the
 response path: a Redis outage delays them (queued, retried), never a stream.
 A session's turn continues its resident KV or is re-prefilled from its stored
-history (sessions.py).
+history (sessions.py); a chat session's turn also brings compute the
+conversation so far, read from the store (chats.py).
 
 Access: with API keys (auth.py) each call runs as its key: that key's limits
 (admission.py) and its own sessions (ownership.py: stored and continued
