@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("kvpop.status", "processes, restarts and health of a stack started by `kvpop up`"),
     "restart": ("kvpop.restart", "restart one service of a stack started by `kvpop up`"),
     "generate": ("kvpop.client", "stream a completion from a running gateway"),
+    "chat": ("kvpop.chat", "chat with a running gateway in the terminal (one session, streamed)"),
     "keys": ("kvpop.keys_cli", "make, list and revoke the gateway's API keys"),
     "fetch-model": ("kvpop.model_store", "download a named model (smollm2-135m) into the model cache"),
     "bench": ("kvpop.bench", "benchmarks (engine vs transformers, ...)"),

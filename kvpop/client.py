@@ -1,6 +1,7 @@
 """`kvpop generate "PROMPT"` or `kvpop generate --chat "MESSAGE" [--system
-TEXT]`: stream a completion from a running gateway,
-printing text as tokens arrive and a one-line usage summary on stderr.
+TEXT] [--session ID]`: stream a completion from a running gateway,
+printing text as tokens arrive and a one-line usage summary on stderr. With
+--session, --chat continues that chat (the server keeps the conversation).
 Only the generated stubs and grpc are needed (no torch)."""
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def decisions(u) -> str:
     return " (" + "; ".join(parts) + ")"
 
 
+def usage_line(f, dt: float, first: float | None, session: bool) -> str:
+    """The one-line summary of a finished stream (`f`: its Finished message)."""
+    u = f.usage
+    rate = u.completion_tokens / dt if dt > 0 else 0.0
+    kept = (f", session_resumed {str(u.session_resumed).lower()} reprefilled_tokens {u.reprefilled_tokens}"
+            if session else "")
+    return (f"[{f.finish_reason_text or 'done'}] prompt {u.prompt_tokens} tok, completion "
+            f"{u.completion_tokens} tok, policy {u.policy}, kv blocks resident "
+            f"{u.kv_blocks_resident} (peak {u.kv_blocks_peak}) evicted {u.kv_blocks_evicted}{decisions(u)}{kept}, "
+            f"ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s")
+
+
 def gateway_address(args: argparse.Namespace) -> str:
     if args.address:
         return args.address
@@ -43,7 +56,7 @@ def gateway_address(args: argparse.Namespace) -> str:
     try:
         return json.loads(path.read_text())["gateway"]
     except (OSError, ValueError, KeyError):
-        raise SystemExit(f"kvpop generate: no running stack found ({path}); start one with `kvpop up` "
+        raise SystemExit(f"kvpop: no running stack found ({path}); start one with `kvpop up` "
                          f"or pass --address HOST:PORT") from None
 
 
@@ -107,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-allowance", type=float, metavar="N",
                    help="hold up to N times the budget while the prompt is prefilled, then the budget "
                         "(between the default, 1, and --evict-after-prompt)")
-    p.add_argument("--session", help="session id (stored in Redis)")
+    p.add_argument("--session", help="session id (stored in Redis): later turns continue its KV; with --chat, "
+                   "MESSAGE is the chat's next user turn")
     p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
                    "(default: the gateway counts by IP address)")
@@ -161,15 +175,10 @@ def run(args: argparse.Namespace) -> int:
                     sys.stdout.write(resp.chunk.text)
                     sys.stdout.flush()
                 elif kind == "finished":
-                    f, u = resp.finished, resp.finished.usage
-                    dt = time.monotonic() - t0
                     sys.stdout.write("\n")
                     sys.stdout.flush()
-                    rate = u.completion_tokens / dt if dt > 0 else 0.0
-                    print(f"[{f.finish_reason_text or 'done'}] prompt {u.prompt_tokens} tok, completion "
-                          f"{u.completion_tokens} tok, policy {u.policy}, kv blocks resident "
-                          f"{u.kv_blocks_resident} (peak {u.kv_blocks_peak}) evicted {u.kv_blocks_evicted}{decisions(u)}, "
-                          f"ttft {1000 * (first or dt):.0f} ms, {rate:.1f} tok/s", file=sys.stderr)
+                    print(usage_line(resp.finished, time.monotonic() - t0, first, bool(args.session)),
+                          file=sys.stderr)
         except grpc.RpcError as e:
             if first is not None:
                 sys.stdout.write("\n")

@@ -3,15 +3,17 @@
 Keys (all under `kvpop:v1:`, values JSON):
 
 - `kvpop:v1:session:<id>` — string, JSON object
-  `{"session_id", "model", "replica", "budget", "turns", "tokens", "created_at", "last_used"}`
+  `{"session_id", "model", "replica", "budget", "turns", "tokens", "chat", "created_at", "last_used"}`
   (`replica`: the compute replica that served the last turn, which holds the
   session's KV; `budget`: the request's kv budget as `{"tokens": n}` or
   `{"fraction": f}` or null; `tokens`: length of the token history; times are
-  Unix seconds).
+  Unix seconds; `chat`: its turns are chat messages, not prompts).
 - `kvpop:v1:session:<id>:turns` — list, one JSON object per turn, oldest first:
   `{"request_id", "prompt", "completion", "prompt_token_ids", "completion_token_ids",
-  "finish_reason", "at"}`. The token history of the session is the
-  concatenation of every turn's prompt and completion token ids.
+  "finish_reason", "messages", "at"}` (`messages`: a chat turn's new
+  messages, `[{"role", "content"}]`; its reply is `completion`). The token
+  history of the session is the concatenation of every turn's prompt and
+  completion token ids.
 
 Both keys expire `ttl_s` after the session's last use. A Redis outage must
 never fail a stream: `record_turn` that cannot reach Redis keeps the turn in
@@ -51,6 +53,7 @@ class Turn:
     prompt_token_ids: list[int] = field(default_factory=list)
     completion_token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    messages: list[dict] = field(default_factory=list)
     at: float = field(default_factory=time.time)
 
 
@@ -62,6 +65,7 @@ class Session:
     budget: dict | None = None
     turns: int = 0
     tokens: int = 0
+    chat: bool = False
     created_at: float = 0.0
     last_used: float = 0.0
 
@@ -129,7 +133,7 @@ class SessionStore:
         """Append a turn and refresh the session; False if it was queued for later."""
         now = time.time()
         meta = Session(session_id=session_id, model=model, replica=replica, budget=budget,
-                       created_at=now, last_used=now)
+                       chat=bool(turn.messages), created_at=now, last_used=now)
         async with self._lock:
             # Earlier turns that are still waiting go first, so turns stay in order.
             if self._pending or not await self._try_write(meta, turn):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import generate_pb2 as kvpop_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpop/v1/compute.proto\x12\x10kvpop.compute.v1\x1a\x17kvpop/v1/generate.proto\"\xc1\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\xe7\x01\n\x08\x45viction\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x17\n\rbudget_tokens\x18\x02 \x01(\x05H\x00\x12\x19\n\x0f\x62udget_fraction\x18\x03 \x01(\x02H\x00\x12\x18\n\x0bsink_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\rrecent_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12\x65vict_after_prompt\x18\x06 \x01(\x08\x12\x19\n\x11prefill_allowance\x18\x07 \x01(\x02\x42\x08\n\x06\x62udgetB\x0e\n\x0c_sink_tokensB\x10\n\x0e_recent_tokens\"\x9c\x02\n\x0e\x43omputeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpop.compute.v1.Sampling\x12,\n\x08\x65viction\x18\x05 \x01(\x0b\x32\x1a.kvpop.compute.v1.Eviction\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x18\n\x10\x63ontinue_session\x18\x07 \x01(\x08\x12\x19\n\x11history_token_ids\x18\x08 \x03(\x05\x12\'\n\x08messages\x18\t \x03(\x0b\x32\x15.kvpop.v1.ChatMessage\"Y\n\x0f\x43omputeResponse\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvpop.v1.GenerateResponse\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\xec\x01\n\x0cServeRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .kvpop.compute.v1.ComputeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12G\n\rtrace_context\x18\x04 \x03(\x0b\x32\x30.kvpop.compute.v1.ServeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x82\x01\n\nServeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32!.kvpop.compute.v1.ComputeResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\";\n\x0bServeEvents\x12,\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1c.kvpop.compute.v1.ServeEvent\"\r\n\x0bInfoRequest\"\xfe\x01\n\tPoolStats\x12\x13\n\x0bpages_total\x18\x01 \x01(\x03\x12\x12\n\npages_free\x18\x02 \x01(\x03\x12\x12\n\npages_used\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x1a\n\x12\x66\x61llback_evictions\x18\x07 \x01(\x03\x12\x35\n\x05\x65xtra\x18\x08 \x03(\x0b\x32&.kvpop.compute.v1.PoolStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8d\x01\n\x0cInfoResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.kvpop.v1.ModelInfo\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvpop.compute.v1.PoolStats\x12\x19\n\x11\x61\x64visor_connected\x18\x03 \x01(\x08\x12\x12\n\nreplica_id\x18\x04 \x01(\t2\xef\x01\n\x07\x43ompute\x12Q\n\x08Generate\x12 .kvpop.compute.v1.ComputeRequest\x1a!.kvpop.compute.v1.ComputeResponse0\x01\x12J\n\x05Serve\x12\x1e.kvpop.compute.v1.ServeRequest\x1a\x1d.kvpop.compute.v1.ServeEvents(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.kvpop.compute.v1.InfoRequest\x1a\x1e.kvpop.compute.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvpop/v1/compute.proto\x12\x10kvpop.compute.v1\x1a\x17kvpop/v1/generate.proto\"\xc1\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\"\xe7\x01\n\x08\x45viction\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x17\n\rbudget_tokens\x18\x02 \x01(\x05H\x00\x12\x19\n\x0f\x62udget_fraction\x18\x03 \x01(\x02H\x00\x12\x18\n\x0bsink_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x1a\n\rrecent_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\x12\x65vict_after_prompt\x18\x06 \x01(\x08\x12\x19\n\x11prefill_allowance\x18\x07 \x01(\x02\x42\x08\n\x06\x62udgetB\x0e\n\x0c_sink_tokensB\x10\n\x0e_recent_tokens\"\x81\x03\n\x0e\x43omputeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.kvpop.compute.v1.Sampling\x12,\n\x08\x65viction\x18\x05 \x01(\x0b\x32\x1a.kvpop.compute.v1.Eviction\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x18\n\x10\x63ontinue_session\x18\x07 \x01(\x08\x12\x19\n\x11history_token_ids\x18\x08 \x03(\x05\x12\'\n\x08messages\x18\t \x03(\x0b\x32\x15.kvpop.v1.ChatMessage\x12+\n\x0c\x63hat_history\x18\n \x03(\x0b\x32\x15.kvpop.v1.ChatMessage\x12\x1f\n\x12reply_end_token_id\x18\x0b \x01(\x05H\x00\x88\x01\x01\x42\x15\n\x13_reply_end_token_id\"Y\n\x0f\x43omputeResponse\x12,\n\x08response\x18\x01 \x01(\x0b\x32\x1a.kvpop.v1.GenerateResponse\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\"\xec\x01\n\x0cServeRequest\x12\x31\n\x05start\x18\x01 \x01(\x0b\x32 .kvpop.compute.v1.ComputeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12G\n\rtrace_context\x18\x04 \x03(\x0b\x32\x30.kvpop.compute.v1.ServeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\x82\x01\n\nServeEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32!.kvpop.compute.v1.ComputeResponse\x12\x13\n\x0bstatus_code\x18\x03 \x01(\x05\x12\x16\n\x0estatus_message\x18\x04 \x01(\t\";\n\x0bServeEvents\x12,\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1c.kvpop.compute.v1.ServeEvent\"\r\n\x0bInfoRequest\"\xfe\x01\n\tPoolStats\x12\x13\n\x0bpages_total\x18\x01 \x01(\x03\x12\x12\n\npages_free\x18\x02 \x01(\x03\x12\x12\n\npages_used\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x11\n\tevictions\x18\x06 \x01(\x03\x12\x1a\n\x12\x66\x61llback_evictions\x18\x07 \x01(\x03\x12\x35\n\x05\x65xtra\x18\x08 \x03(\x0b\x32&.kvpop.compute.v1.PoolStats.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x8d\x01\n\x0cInfoResponse\x12\"\n\x05model\x18\x01 \x01(\x0b\x32\x13.kvpop.v1.ModelInfo\x12*\n\x05stats\x18\x02 \x01(\x0b\x32\x1b.kvpop.compute.v1.PoolStats\x12\x19\n\x11\x61\x64visor_connected\x18\x03 \x01(\x08\x12\x12\n\nreplica_id\x18\x04 \x01(\t2\xef\x01\n\x07\x43ompute\x12Q\n\x08Generate\x12 .kvpop.compute.v1.ComputeRequest\x1a!.kvpop.compute.v1.ComputeResponse0\x01\x12J\n\x05Serve\x12\x1e.kvpop.compute.v1.ServeRequest\x1a\x1d.kvpop.compute.v1.ServeEvents(\x01\x30\x01\x12\x45\n\x04Info\x12\x1d.kvpop.compute.v1.InfoRequest\x1a\x1e.kvpop.compute.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,25 +41,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVICTION']._serialized_start=266
   _globals['_EVICTION']._serialized_end=497
   _globals['_COMPUTEREQUEST']._serialized_start=500
-  _globals['_COMPUTEREQUEST']._serialized_end=784
-  _globals['_COMPUTERESPONSE']._serialized_start=786
-  _globals['_COMPUTERESPONSE']._serialized_end=875
-  _globals['_SERVEREQUEST']._serialized_start=878
-  _globals['_SERVEREQUEST']._serialized_end=1114
-  _globals['_SERVEREQUEST_TRACECONTEXTENTRY']._serialized_start=1055
-  _globals['_SERVEREQUEST_TRACECONTEXTENTRY']._serialized_end=1106
-  _globals['_SERVEEVENT']._serialized_start=1117
-  _globals['_SERVEEVENT']._serialized_end=1247
-  _globals['_SERVEEVENTS']._serialized_start=1249
-  _globals['_SERVEEVENTS']._serialized_end=1308
-  _globals['_INFOREQUEST']._serialized_start=1310
-  _globals['_INFOREQUEST']._serialized_end=1323
-  _globals['_POOLSTATS']._serialized_start=1326
-  _globals['_POOLSTATS']._serialized_end=1580
-  _globals['_POOLSTATS_EXTRAENTRY']._serialized_start=1536
-  _globals['_POOLSTATS_EXTRAENTRY']._serialized_end=1580
-  _globals['_INFORESPONSE']._serialized_start=1583
-  _globals['_INFORESPONSE']._serialized_end=1724
-  _globals['_COMPUTE']._serialized_start=1727
-  _globals['_COMPUTE']._serialized_end=1966
+  _globals['_COMPUTEREQUEST']._serialized_end=885
+  _globals['_COMPUTERESPONSE']._serialized_start=887
+  _globals['_COMPUTERESPONSE']._serialized_end=976
+  _globals['_SERVEREQUEST']._serialized_start=979
+  _globals['_SERVEREQUEST']._serialized_end=1215
+  _globals['_SERVEREQUEST_TRACECONTEXTENTRY']._serialized_start=1156
+  _globals['_SERVEREQUEST_TRACECONTEXTENTRY']._serialized_end=1207
+  _globals['_SERVEEVENT']._serialized_start=1218
+  _globals['_SERVEEVENT']._serialized_end=1348
+  _globals['_SERVEEVENTS']._serialized_start=1350
+  _globals['_SERVEEVENTS']._serialized_end=1409
+  _globals['_INFOREQUEST']._serialized_start=1411
+  _globals['_INFOREQUEST']._serialized_end=1424
+  _globals['_POOLSTATS']._serialized_start=1427
+  _globals['_POOLSTATS']._serialized_end=1681
+  _globals['_POOLSTATS_EXTRAENTRY']._serialized_start=1637
+  _globals['_POOLSTATS_EXTRAENTRY']._serialized_end=1681
+  _globals['_INFORESPONSE']._serialized_start=1684
+  _globals['_INFORESPONSE']._serialized_end=1825
+  _globals['_COMPUTE']._serialized_start=1828
+  _globals['_COMPUTE']._serialized_end=2067
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ class Eviction(_message.Message):
     def __init__(self, policy: _Optional[str] = ..., budget_tokens: _Optional[int] = ..., budget_fraction: _Optional[float] = ..., sink_tokens: _Optional[int] = ..., recent_tokens: _Optional[int] = ..., evict_after_prompt: _Optional[bool] = ..., prefill_allowance: _Optional[float] = ...) -> None: ...
 
 class ComputeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "eviction", "session_id", "continue_session", "history_token_ids", "messages")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "eviction", "session_id", "continue_session", "history_token_ids", "messages", "chat_history", "reply_end_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class ComputeRequest(_message.Message):
     CONTINUE_SESSION_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    CHAT_HISTORY_FIELD_NUMBER: _ClassVar[int]
+    REPLY_END_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +71,9 @@ class ComputeRequest(_message.Message):
     continue_session: bool
     history_token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ChatMessage]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., session_id: _Optional[str] = ..., continue_session: _Optional[bool] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_generate_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    chat_history: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ChatMessage]
+    reply_end_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., eviction: _Optional[_Union[Eviction, _Mapping]] = ..., session_id: _Optional[str] = ..., continue_session: _Optional[bool] = ..., history_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[_generate_pb2.ChatMessage, _Mapping]]] = ..., chat_history: _Optional[_Iterable[_Union[_generate_pb2.ChatMessage, _Mapping]]] = ..., reply_end_token_id: _Optional[int] = ...) -> None: ...
 
 class ComputeResponse(_message.Message):
     __slots__ = ("response", "prompt_token_ids")

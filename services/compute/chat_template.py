@@ -102,11 +102,9 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool = True
         raise ChatTemplateError(f"the model's chat template refused the messages: {e}") from e
 
 
-def encode_chat(source: str, messages: list[dict], *, added_tokens: dict[str, bool],
-                special_tokens: dict[str, str], encode: Callable[[str], list[int]],
-                encode_text: Callable[[str], list[int]], token_id: Callable[[str], int | None],
-                add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of `messages` rendered with template `source`.
+class Chat:
+    """The template and tokenizer of one model, for rendering client messages
+    (marked) and tokenizing the rendered text (the markers say what is text).
 
     added_tokens: content -> special? for every added token of the tokenizer.
     special_tokens: template variables (bos_token, eos_token, ...).
@@ -114,25 +112,73 @@ def encode_chat(source: str, messages: list[dict], *, added_tokens: dict[str, bo
     encode_text: text -> ids with every special token spelled as text.
     token_id: an added token's id.
     """
-    literals = template_literals(source)
-    control = [t for t, special in added_tokens.items()
-               if special or (t in literals and not t.isspace())]
-    control_re = re.compile(_alternation(control))
-    marked = [{k: mark(v, control_re) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
-    text = render(source, marked, add_generation_prompt, **special_tokens)
-    markers_re = re.compile(f"{MARK_START}({_alternation(added_tokens)}){MARK_END}|[{MARK_START}{MARK_END}]")
-    pieces = markers_re.split(text)     # [text, marked token or None, text, ...]
-    newline = encode("\n")
-    ids = encode(pieces[0])
-    for i, piece in enumerate(pieces[1:], start=1):
-        if not piece:
-            continue
-        as_text = i % 2 == 1
-        enc = encode_text if as_text else encode
-        # After a newline, so a SentencePiece tokenizer adds no prefix space mid-chat; the newline is then dropped.
-        piece_ids = enc("\n" + piece)
-        piece_ids = piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else enc(piece)
-        if as_text and token_id(piece) in piece_ids:
-            raise ChatTemplateError(f"cannot keep {piece!r} as text: this tokenizer produces it from plain text")
-        ids += piece_ids
-    return ids
+
+    def __init__(self, source: str, *, added_tokens: dict[str, bool], special_tokens: dict[str, str],
+                 encode: Callable[[str], list[int]], encode_text: Callable[[str], list[int]],
+                 token_id: Callable[[str], int | None]):
+        self.source, self.added_tokens, self.special_tokens = source, added_tokens, special_tokens
+        self.encode, self.encode_text, self.token_id = encode, encode_text, token_id
+        literals = template_literals(source)
+        control = [t for t, special in added_tokens.items() if special or (t in literals and not t.isspace())]
+        self.control_re = re.compile(_alternation(control))
+        self.markers_re = re.compile(f"{MARK_START}({_alternation(added_tokens)}){MARK_END}|[{MARK_START}{MARK_END}]")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """`messages` rendered, control-token text in client strings marked."""
+        marked = [{k: mark(v, self.control_re) if isinstance(v, str) else v for k, v in m.items()}
+                  for m in messages]
+        return render(self.source, marked, add_generation_prompt, **self.special_tokens)
+
+    def tokenize(self, text: str) -> list[int]:
+        """Rendered (marked) text to ids: marked pieces as text, the rest with control tokens."""
+        pieces = self.markers_re.split(text)     # [text, marked token or None, text, ...]
+        newline = self.encode("\n")
+        ids = self.encode(pieces[0])
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue
+            as_text = i % 2 == 1
+            enc = self.encode_text if as_text else self.encode
+            # After a newline, so a SentencePiece tokenizer adds no prefix space mid-chat; the newline is then dropped.
+            piece_ids = enc("\n" + piece)
+            piece_ids = piece_ids[len(newline):] if piece_ids[:len(newline)] == newline else enc(piece)
+            if as_text and self.token_id(piece) in piece_ids:
+                raise ChatTemplateError(f"cannot keep {piece!r} as text: this tokenizer produces it from plain text")
+            ids += piece_ids
+        return ids
+
+    def encode_messages(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenize(self.render(messages, add_generation_prompt))
+
+    def encode_turn(self, history: list[dict], new: list[dict], reply_end_token_id: int | None = None) -> list[int]:
+        """Token ids that continue a session holding `history` (its last
+        message the assistant's reply, as generated after the generation
+        prompt) with the `new` messages: the closing the template gives that
+        reply, then the new messages and the generation prompt. With
+        `reply_end_token_id` the reply's tokens already end with that token,
+        so the closing's own copy of it is skipped."""
+        if not history or history[-1].get("role") != "assistant":
+            raise ChatTemplateError("a chat session's history must end with the assistant's reply")
+        asked = self.render(history[:-1], True)
+        said = self.render(history, False)
+        reply = mark(history[-1].get("content", ""), self.control_re)
+        if not said.startswith(asked + reply):
+            raise ChatTemplateError("this chat template does not render a reply after its generation prompt, "
+                                    "so a session cannot continue it turn by turn")
+        following = self.render(history + new, True)
+        if not following.startswith(said):
+            raise ChatTemplateError("this chat template renders the earlier turns differently once a new "
+                                    "turn follows, so a session cannot continue it turn by turn")
+        ids = self.tokenize(said[len(asked) + len(reply):] + following[len(said):])
+        if reply_end_token_id is not None and ids[:1] == [reply_end_token_id]:
+            ids = ids[1:]
+        return ids
+
+
+def encode_chat(source: str, messages: list[dict], *, added_tokens: dict[str, bool],
+                special_tokens: dict[str, str], encode: Callable[[str], list[int]],
+                encode_text: Callable[[str], list[int]], token_id: Callable[[str], int | None],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered with template `source` (see Chat)."""
+    return Chat(source, added_tokens=added_tokens, special_tokens=special_tokens, encode=encode,
+                encode_text=encode_text, token_id=token_id).encode_messages(messages, add_generation_prompt)

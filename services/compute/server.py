@@ -231,6 +231,26 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                     f"replica's limit (KVPOP_MAX_PROMPT_CHARS={cfg.max_prompt_chars})")
         return None
 
+    def _chat_turn(self, request, continues: bool) -> list[int]:
+        """The tokens of a chat turn: the whole chat rendered, or, continuing a
+        session, only the template's difference its new messages make."""
+        as_dicts = lambda ms: [{"role": m.role, "content": m.content} for m in ms]  # noqa: E731
+        if continues != bool(request.chat_history):
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"session {request.session_id!r}: a chat turn with the conversation so far needs the "
+                          f"session's KV or token history" if request.chat_history else
+                          f"session {request.session_id!r} holds tokens on replica {self.replica_id} but its "
+                          f"turn brings no conversation so far: continue it with a prompt, or start a chat "
+                          f"under another session_id")
+        tok = self.engine.engine.tokenizer
+        try:
+            if not request.chat_history:
+                return tok.encode_chat(as_dicts(request.messages))
+            end = request.reply_end_token_id if request.HasField("reply_end_token_id") else None
+            return tok.encode_chat_turn(as_dicts(request.chat_history), as_dicts(request.messages), end)
+        except ValueError as e:     # no chat template, or the template refused the conversation
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
     async def _generate(self, request):
         from services.compute.async_engine import EngineError
         from services.compute.engine import EvictionParams, SamplingParams
@@ -250,12 +270,7 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
                                 f"session {sid!r} has no KV parked on replica {self.replica_id} "
                                 "(expired or dropped): re-prefill it from its history")
         if request.messages:
-            if held or history:
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "messages cannot continue a session")
-            try:
-                turn = eng.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
-            except ValueError as e:     # no chat template, or the template refused the conversation
-                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            turn = self._chat_turn(request, continues=bool(held or history))
         else:
             turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
                                                                          add_bos=not (held or history))

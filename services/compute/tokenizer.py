@@ -125,11 +125,10 @@ class Tokenizer:
         checkpoints, none for SmolLM2 or Qwen2); False for a continuation."""
         return self._tok.encode(text, add_special_tokens=add_bos).ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """`messages` ([{"role", "content"}]) rendered with the model's chat
-        template, control tokens in the clients' strings kept as text.
-        ValueError when the model has no chat template or it refuses the chat."""
-        from services.compute.chat_template import encode_chat
+    def chat(self):
+        """The model's chat template with this tokenizer (chat_template.Chat).
+        ValueError when the model has no chat template."""
+        from services.compute.chat_template import Chat
 
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json chat_template); "
@@ -138,11 +137,20 @@ class Tokenizer:
             self._tok_control = HFTokenizer.from_str(self._json)
             self._tok_control.encode_special_tokens = False
         control = self._tok_control
-        return encode_chat(self.chat_template, messages, added_tokens=self.added_tokens,
-                           special_tokens=self.special_tokens,
-                           encode=lambda s: control.encode(s, add_special_tokens=False).ids,
-                           encode_text=lambda s: self._tok.encode(s, add_special_tokens=False).ids,
-                           token_id=self._tok.token_to_id, add_generation_prompt=add_generation_prompt)
+        return Chat(self.chat_template, added_tokens=self.added_tokens, special_tokens=self.special_tokens,
+                    encode=lambda s: control.encode(s, add_special_tokens=False).ids,
+                    encode_text=lambda s: self._tok.encode(s, add_special_tokens=False).ids,
+                    token_id=self._tok.token_to_id)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """`messages` ([{"role", "content"}]) rendered with the model's chat
+        template, control tokens in the clients' strings kept as text.
+        ValueError when the model has no chat template or it refuses the chat."""
+        return self.chat().encode_messages(messages, add_generation_prompt)
+
+    def encode_chat_turn(self, history: list[dict], new: list[dict], reply_end_token_id: int | None = None) -> list[int]:
+        """The tokens that continue a chat session holding `history` with `new` (Chat.encode_turn)."""
+        return self.chat().encode_turn(history, new, reply_end_token_id)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -5,7 +5,8 @@ remaining time and is cancelled when the client goes away, so compute aborts
 the sequence. Sessions are written to Redis after the stream, off the
 response path: a Redis outage delays them (queued, retried), never a stream.
 A session's turn continues its resident KV or is re-prefilled from its stored
-history (sessions.py).
+history (sessions.py); a chat session's turn also brings compute the
+conversation so far, read from the store (chats.py).
 
 Access: with API keys (auth.py) each call runs as its key: that key's limits
 (admission.py) and its own sessions (ownership.py: stored and continued
@@ -37,6 +38,7 @@ from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
 from kvpop.store import Session, SessionStore, Turn
 from services.gateway.admission import Admission, Admitted, Refused
 from services.gateway.auth import CALLER
+from services.gateway.chats import check_kind, continue_chat
 from services.gateway.decoding import Malformed, add_kvpop_servicer
 from services.gateway.ownership import SessionOwners, scoped
 from services.gateway.rates import RETRY_AFTER
@@ -166,9 +168,11 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                                 f"API key {admitted.key!r} has no session {request.session_id!r}; session ids "
                                 f"are per key and this one is taken: choose another")
         creq.session_id = sid
+        record = await self._session(sid) if sid else None
+        new_messages = await self._chat_turn(request, creq, record, context, timer) if sid else []
         # Moves to another replica while nothing was streamed (routing.py); a session
         # continues its resident KV or is re-prefilled from its history (sessions.py).
-        call = SessionTurn(self.router, creq, remaining, await self._session(sid), self._owners.get(sid),
+        call = SessionTurn(self.router, creq, remaining, record, self._owners.get(sid),
                            lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
         text, ids, prompt_ids, finish, session = [], [], [], "", ""
         try:
@@ -224,11 +228,34 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
                 self._owners.popitem(last=False)
         if sid and self.store is not None:
             turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
-                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish)
+                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish,
+                        messages=new_messages)
             task = self._spawn(self._record(sid, turn, creq.eviction, replica))
             self._recording[sid] = task
             task.add_done_callback(lambda t: self._recording.pop(sid, None) if self._recording.get(sid) is t
                                    else None)
+
+    async def _chat_turn(self, request, creq: compute_pb2.ComputeRequest, record: Session | None,
+                         context, timer) -> list[dict]:
+        """A session's turn as a chat (chats.py): the conversation so far from
+        the store, only the new messages to render; the messages the turn stores."""
+        try:
+            check_kind(request, record)
+            if not request.messages:
+                return []
+            if self.store is None:
+                raise Invalid("chat sessions need the session store (KVPOP_REDIS_URL is not set): send the "
+                              "whole conversation as messages without session_id", grpc.StatusCode.FAILED_PRECONDITION)
+            await self._recorded(creq.session_id)
+            try:
+                turns = await self.store.history(creq.session_id)
+            except RedisUnavailable as e:
+                raise Invalid(f"the conversation of session {request.session_id!r} cannot be read: {e}",
+                              grpc.StatusCode.UNAVAILABLE) from e
+            return continue_chat(creq, turns)
+        except Invalid as e:
+            timer.fail(e.code.name)
+            await context.abort(e.code, e.message)
 
     async def _record(self, session_id: str, turn: Turn, ev: compute_pb2.Eviction, replica: str) -> None:
         which = ev.WhichOneof("budget")

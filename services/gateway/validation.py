@@ -3,7 +3,7 @@ message per problem; a valid request is resolved into compute's narrow request.
 
 | problem | status |
 | --- | --- |
-| neither prompt nor messages, or both; a message role other than system/user/assistant; messages for a model without a chat template; messages with a session_id; empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; prefill_allowance not in [1, 64] or with evict_after_prompt; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
+| neither prompt nor messages, or both; a message role other than system/user/assistant; messages for a model without a chat template; prompt turns and chat turns in one session (services/gateway/chats.py); empty prompt; max_tokens < 1; seed >= 2^63; temperature not in [0, 100]; top_p not in (0, 1]; top_k < 0; repetition_penalty not in (0, 100]; unknown policy; budget_tokens not in [1, max_model_len]; budget_fraction not in (0, 1]; sink_tokens or recent_tokens not in [0, max_model_len]; prefill_allowance not in [1, 64] or with evict_after_prompt; too many / empty / long stop strings; malformed session_id or request_id | INVALID_ARGUMENT |
 | request bytes that do not parse (services/gateway/decoding.py); malformed x-client-id metadata | INVALID_ARGUMENT |
 | prompt (or all message contents together) longer than KVPOP_MAX_PROMPT_CHARS; max_tokens over KVPOP_MAX_TOKENS_LIMIT; the client already has KVPOP_MAX_STREAMS_PER_CLIENT streams open (services/gateway/limits.py); message larger than KVPOP_MAX_MESSAGE_BYTES (gRPC itself) | RESOURCE_EXHAUSTED |
 """
@@ -131,9 +131,6 @@ def _check_messages(req: generate_pb2.GenerateRequest, cfg: GatewayConfig, info:
     if not info.chat_template:
         raise Invalid(f"the served model ({info.name}) has no chat template, so it takes no messages: "
                       f"send a prompt instead")
-    if req.session_id:
-        raise Invalid("messages cannot be combined with session_id: send the whole conversation as messages "
-                      "(or use prompt turns with session_id)")
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:
             shown = repr(m.role[:40]) + ("..." if len(m.role) > 40 else "")
