@@ -13,18 +13,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
-import redis as redis_sync
 
-from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT as REPO
 from kvpop.pb import generate_pb2, generate_pb2_grpc
 from kvpop.store import session_key, turns_key
 from helpers_common import wait_until
-from test_replicas import Replicas, _serving, gateway_env
+from test_replicas import gateway_env, sessions_stack
 
 pytestmark = pytest.mark.slow
 
@@ -87,29 +84,10 @@ def kvpop(*args: str, env: dict, stdin: str | None = None) -> subprocess.Complet
 
 
 def test_chat_sessions_continue_their_kv_and_move_with_their_history(redis_server, tmp_path):
-    from services.compute.engine import EngineConfig, LLMEngine
-
     model = chat_model(tmp_path / "model")
-    reps = Replicas(redis_server, tmp_path)
     rep_env = dict(KVPOP_MODEL_DIR=str(model))
-    gw_port = free_port()
-    env = gateway_env(redis_server.url, gw_port, log_level="INFO")
-    gw = None
-    rc = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
-    try:
-        reps.start("r-a", **rep_env)
-        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
-                              stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
-        address = f"127.0.0.1:{gw_port}"
-        reference = LLMEngine(EngineConfig(str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
-                                           prefix_cache_fraction=0))
+    with sessions_stack(redis_server, tmp_path, model) as (reps, address, rc, reference):
         tok = reference.tokenizer
-
-        def up():
-            assert gw.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
-            assert reps.procs["r-a"].poll() is None, (tmp_path / "r-a.log").read_text()[-2000:]
-            return _serving(address) and _serving(reps.addresses["r-a"])
-        wait_until(up, 120, "gateway and r-a SERVING")
 
         with grpc.insecure_channel(address) as ch:
             chat = Chat(generate_pb2_grpc.KVpopStub(ch), rc, reference)
@@ -181,7 +159,7 @@ def test_chat_sessions_continue_their_kv_and_move_with_their_history(redis_serve
             assert chat.turns("c1")[-1]["messages"] == [{"role": "user", "content": msg}]
 
         # The CLI: one chat across two `kvpop generate` calls, then `kvpop chat` on stdin.
-        cli_env = {**env, "KVPOP_GATEWAY_ADDRESS": address}
+        cli_env = {**gateway_env(redis_server.url, 0), "KVPOP_GATEWAY_ADDRESS": address}
         first = kvpop("generate", "--chat", "Carol has 7 pears.", "--session", "cli", "--max-tokens", "4", env=cli_env)
         assert first.returncode == 0, first.stderr
         assert "session_resumed false reprefilled_tokens 0" in first.stderr
@@ -198,15 +176,9 @@ def test_chat_sessions_continue_their_kv_and_move_with_their_history(redis_serve
         assert "session_resumed false" in usages[0] and "session_resumed true" in usages[1]
         assert "session_resumed false" in usages[2]     # /reset started a new session
         assert len(chat.turns("repl")) == 2
-    finally:
-        if gw is not None and gw.poll() is None:
-            gw.terminate()
-            gw.wait(20)
-        reps.close()
 
 
 def test_a_chat_session_is_its_keys_alone(redis_server, tmp_path):
-    from services.compute.engine import EngineConfig, LLMEngine
     from services.gateway.apikeys import append_key, new_key
     from services.gateway.ownership import claim_key
 
@@ -214,24 +186,9 @@ def test_a_chat_session_is_its_keys_alone(redis_server, tmp_path):
     keys = {name: new_key() for name in ("alice", "bob")}
     for name, key in keys.items():
         append_key(tmp_path / "api_keys", name, key)
-    reps = Replicas(redis_server, tmp_path)
-    gw_port = free_port()
-    env = {**gateway_env(redis_server.url, gw_port), "KVPOP_API_KEYS_FILE": str(tmp_path / "api_keys")}
-    gw = None
-    rc = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
-    try:
-        reps.start("r-a", KVPOP_MODEL_DIR=str(model))
-        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
-                              stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
-        address = f"127.0.0.1:{gw_port}"
-        reference = LLMEngine(EngineConfig(str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
-                                           prefix_cache_fraction=0))
+    keyed = {"KVPOP_API_KEYS_FILE": str(tmp_path / "api_keys")}
+    with sessions_stack(redis_server, tmp_path, model, keyed) as (reps, address, rc, reference):
         tok = reference.tokenizer
-
-        def up():
-            assert gw.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
-            return _serving(address) and _serving(reps.addresses["r-a"])
-        wait_until(up, 120, "gateway and r-a SERVING")
 
         def turn(key: str, msg: str):
             req = generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(role="user", content=msg)],
@@ -269,8 +226,3 @@ def test_a_chat_session_is_its_keys_alone(redis_server, tmp_path):
             from services.compute.engine import SamplingParams
             whole = history + tok.encode_chat_turn([secret, {"role": "assistant", "content": text}], [ask])
             assert ids == [o.token_id for o in reference.generate(whole, SamplingParams(max_tokens=N, ignore_eos=True))]
-    finally:
-        if gw is not None and gw.poll() is None:
-            gw.terminate()
-            gw.wait(20)
-        reps.close()

@@ -5,6 +5,7 @@ out of the registry within one heartbeat interval)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import uuid
 
 import grpc
 import pytest
+import redis as redis_sync
 
 from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT as REPO
@@ -21,6 +23,7 @@ from kvpop.pb import compute_pb2
 from kvpop.redis_client import connect
 from kvpop.registry import ReplicaRegistry
 from services.gateway.routing import Router
+from helpers_common import wait_until
 
 HEARTBEAT_S = 1.0
 pytestmark = pytest.mark.slow
@@ -216,6 +219,37 @@ async def _scenario(redis, reps: Replicas) -> None:
     assert await asyncio.to_thread(reps.procs["r-a"].wait, 30) == 0
     await router.close()
     await client.aclose()
+
+
+@contextlib.contextmanager
+def sessions_stack(redis, tmp, model, gateway_extra: dict | None = None, **replica_env):
+    """A gateway over the Redis registry and replica ``r-a`` on ``model``, both
+    SERVING; yields (replicas, gateway address, Redis client, an in-process
+    dense reference engine on the same model). Stops both at exit."""
+    from services.compute.engine import EngineConfig, LLMEngine
+
+    reps = Replicas(redis, tmp)
+    gw_port = free_port()
+    env = {**gateway_env(redis.url, gw_port, log_level="INFO"), **(gateway_extra or {})}
+    gw = None
+    try:
+        reps.start("r-a", KVPOP_MODEL_DIR=str(model), **replica_env)
+        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
+                              stdout=open(tmp / "gateway.log", "w"), stderr=subprocess.STDOUT)
+        address = f"127.0.0.1:{gw_port}"
+        reference = LLMEngine(EngineConfig(str(model), max_model_len=512, max_num_seqs=1, prefix_cache_fraction=0))
+
+        def up():
+            assert gw.poll() is None, (tmp / "gateway.log").read_text()[-2000:]
+            assert reps.procs["r-a"].poll() is None, (tmp / "r-a.log").read_text()[-2000:]
+            return _serving(address) and _serving(reps.addresses["r-a"])
+        wait_until(up, 120, "gateway and r-a SERVING")
+        yield reps, address, redis_sync.Redis.from_url(redis.url, decode_responses=True), reference
+    finally:
+        if gw is not None and gw.poll() is None:
+            gw.terminate()
+            gw.wait(20)
+        reps.close()
 
 
 def _serving(address: str) -> bool:

@@ -8,20 +8,15 @@ session record names the new replica."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
-import redis as redis_sync
 
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT as REPO
 from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
 from kvpop.store import session_key, turns_key
 from helpers_common import wait_until
-from test_replicas import Replicas, _serving, gateway_env
+from test_replicas import sessions_stack
 
 pytestmark = pytest.mark.slow
 
@@ -68,31 +63,13 @@ def compute_stats(address: str) -> dict:
 
 def test_sessions_continue_resident_kv_and_reprefill_when_it_is_gone(redis_server, tmp_path):
     from kvpop.default_model import build_placeholder
-    from services.compute.engine import EngineConfig, LLMEngine
-
     # Own weights: models/default may be retrained while the suite runs.
     model = build_placeholder(tmp_path / "model", seed=0)
-    reps = Replicas(redis_server, tmp_path)
     rep_env = dict(KVPOP_MODEL_DIR=str(model), KVPOP_SESSION_KV_TTL_S=str(KV_TTL_S))
-    gw_port = free_port()
-    env = gateway_env(redis_server.url, gw_port, log_level="INFO")
-    gw = None
-    rc = redis_sync.Redis.from_url(redis_server.url, decode_responses=True)
-    try:
-        # r-a alone first, so every session starts on it; r-b loads while they run.
-        reps.start("r-a", **rep_env)
-        gw = subprocess.Popen([sys.executable, "-m", "services.gateway"], env=env, cwd=REPO,
-                              stdout=open(tmp_path / "gateway.log", "w"), stderr=subprocess.STDOUT)
-        address = f"127.0.0.1:{gw_port}"
-        reference = LLMEngine(EngineConfig(str(model), max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
-                                           prefix_cache_fraction=0))
+    # r-a alone first, so every session starts on it; r-b loads while they run.
+    with sessions_stack(redis_server, tmp_path, model, KVPOP_SESSION_KV_TTL_S=str(KV_TTL_S)) as (
+            reps, address, rc, reference):
         tok = reference.tokenizer
-
-        def up():
-            assert gw.poll() is None, (tmp_path / "gateway.log").read_text()[-2000:]
-            assert reps.procs["r-a"].poll() is None, (tmp_path / "r-a.log").read_text()[-2000:]
-            return _serving(address) and _serving(reps.addresses["r-a"])
-        wait_until(up, 120, "gateway and r-a SERVING")
 
         with grpc.insecure_channel(address) as ch:
             chat = Chat(generate_pb2_grpc.KVpopStub(ch), rc, reference)
@@ -163,8 +140,3 @@ def test_sessions_continue_resident_kv_and_reprefill_when_it_is_gone(redis_serve
             _, u = chat.turn("s2", " And back.", policy="h2o", budget_tokens=64)
             assert not u.session_resumed and u.reprefilled_tokens == len(history) and u.kv_blocks_evicted > 0
             assert chat.record("s2")["replica"] == "r-b"
-    finally:
-        if gw is not None and gw.poll() is None:
-            gw.terminate()
-            gw.wait(20)
-        reps.close()
