@@ -10,9 +10,8 @@ import argparse
 import sys
 import time
 import uuid
-from pathlib import Path
 
-from kvpop.client import build_request, gateway_address, usage_line
+from kvpop.client import add_connection_arguments, build_request, gateway_address, usage_line
 from kvpop.flags import add_budget
 from kvpop.policy_names import POLICIES
 
@@ -29,12 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"eviction policy: {', '.join(POLICIES)} (default: the server's)")
     add_budget(p, help="KV budget per (layer, kv-head) the session holds whatever the chat's length: tokens "
                        "(512) or a fraction (0.25); default: the server's (KVPOP_DEFAULT_BUDGET)")
-    p.add_argument("--api-key", default=None, help="API key (default: KVPOP_API_KEY)")
-    p.add_argument("--ca", default=None, help="CA (PEM) of a gateway that serves TLS (default: KVPOP_GATEWAY_CA)")
-    p.add_argument("--address", help="gateway HOST:PORT (default: $KVPOP_GATEWAY_ADDRESS, else the stack "
-                                      "in the state folder)")
-    p.add_argument("--state-dir", type=Path, default=None, help="state folder of `kvpop up`")
-    p.add_argument("--timeout", type=float, default=None, help="deadline per turn in seconds")
+    add_connection_arguments(p, timeout_help="deadline per turn in seconds")
 
 
 def _turn_args(args: argparse.Namespace, session: str, message: str, first: bool) -> argparse.Namespace:

@@ -125,6 +125,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")
     p.add_argument("--client-id", help="x-client-id metadata: names the client for the per-client stream limit "
                    "(default: the gateway counts by IP address)")
+    add_connection_arguments(p)
+
+
+def add_connection_arguments(p: argparse.ArgumentParser, timeout_help: str = "deadline in seconds") -> None:
+    """How a client reaches the gateway: `kvpop generate` and `kvpop chat`."""
     p.add_argument("--api-key", default=None, help="API key, sent as 'authorization: Bearer KEY' "
                    "(default: KVPOP_API_KEY)")
     p.add_argument("--ca", default=None, help="CA (PEM) of a gateway that serves TLS (default: KVPOP_GATEWAY_CA; "
@@ -133,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                       "in the state folder)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="state folder of `kvpop up` (default: $KVPOP_STATE_DIR, else .kvpop)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--timeout", type=float, default=None, help=timeout_help)
 
 
 def _note_task_model(stub, args: argparse.Namespace, metadata=None) -> None:

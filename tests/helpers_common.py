@@ -77,6 +77,21 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def stop_processes(procs, timeout: float = 20) -> None:
+    """SIGTERM every process still running (all at once, so their graceful
+    shutdowns overlap), then wait for each; SIGKILL one that outlasts ``timeout``."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
     """Poll ``cond`` until it returns something truthy (returned) or fail
     after ``timeout`` seconds naming ``what``."""

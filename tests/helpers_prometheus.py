@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from helpers_common import REPO, free_port
+from helpers_common import REPO, free_port, stop_processes
 
 PROM_DIR = REPO / "deploy" / "monitoring" / "prometheus"
 DASHBOARD = REPO / "deploy" / "monitoring" / "grafana" / "kvpop.json"
@@ -86,13 +86,7 @@ class Prometheus:
         return self.api("query", query=expr)["result"]
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], timeout=10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from helpers_common import stop_processes
 from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT
 from kvpop.security import ENV_TOKEN_FILE
@@ -54,13 +55,7 @@ class PublicGateway:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc])
 
 
 def reflected_generate(channel: grpc.Channel, fields: dict, metadata=(), timeout: float = 60) -> list[dict]:

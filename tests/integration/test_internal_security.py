@@ -11,6 +11,7 @@ import time
 import grpc
 import pytest
 
+from helpers_common import stop_processes
 from helpers_pki import make_pki
 from kvpop.launcher import free_port
 from kvpop.paths import REPO_ROOT as REPO
@@ -112,11 +113,4 @@ def test_stack_with_mutual_tls_and_token(tmp_path):
                 compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs.values())

@@ -23,7 +23,7 @@ from kvpop.pb import compute_pb2
 from kvpop.redis_client import connect
 from kvpop.registry import ReplicaRegistry
 from services.gateway.routing import Router
-from helpers_common import wait_until
+from helpers_common import stop_processes, wait_until
 
 HEARTBEAT_S = 1.0
 pytestmark = pytest.mark.slow
@@ -54,14 +54,7 @@ class Replicas:
         self.procs[rid].wait(10)
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs.values())
 
 
 def gateway_env(redis_url: str, gw_port: int, log_level: str = "WARNING") -> dict[str, str]:
