@@ -62,7 +62,7 @@ def bench(args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine
+    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine, page_tokens
     from services.compute.kv_pool import KVPool
 
     if args.threads:
@@ -81,7 +81,7 @@ def bench(args) -> dict:
     chunks = [int(c) for c in args.prefill_chunks.split(",") if c.strip()]
     if not chunks or min(chunks) < 1:
         raise ValueError("--prefill-chunks takes positive token counts")
-    pp = args.block_size * max(1, 16 // args.block_size)          # the engine's page (EngineConfig.page_size)
+    pp = page_tokens(args.block_size, EngineConfig.page_size)
     pages = rows_of * max(longest // pp + 2, 8 * (max(chunks) // pp + 2)) + 64
     engine = LLMEngine(EngineConfig(model_dir=args.model, dtype="float32", device="cpu", block_size=args.block_size,
                                     num_pages=pages, max_num_seqs=2, max_model_len=longest + args.block_size))

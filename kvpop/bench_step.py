@@ -68,7 +68,7 @@ def add_arguments(p) -> None:
 def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     from kvpop.bench_serve import workload
     from services.compute.budget import EvictionParams
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine import EngineConfig, LLMEngine, page_tokens
     from services.compute.sampler import SamplingParams
 
     counter = DispatchCounter()
@@ -96,7 +96,7 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     prefill_steps = -(-sum(map(len, prompts)) // 512) + n
     max_tokens = prefill_steps + warm + 2 * args.steps + 8
     # Every sequence held dense at once (pages are per row and block), so none waits for another.
-    page = args.block_size * max(1, 16 // args.block_size)      # the engine's page (EngineConfig.page_size)
+    page = page_tokens(args.block_size, EngineConfig.page_size)
     pages = sum(-(-(len(p) + max_tokens) // page) + 1 for p in prompts) \
         * mc.num_layers * mc.num_kv_heads
     eng = LLMEngine(EngineConfig(model_dir, block_size=args.block_size, device=device, num_pages=pages,

@@ -77,6 +77,12 @@ class EngineConfig:
     session_ttl_s: float = 600.0          # a parked session idle this long is dropped
 
 
+def page_tokens(block_size: int, page_size: int) -> int:
+    """Positions per page: whole blocks, so ``page_size`` rounds down to a
+    multiple of ``block_size`` (at least one block)."""
+    return block_size * max(1, page_size // block_size)
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
@@ -124,8 +130,7 @@ class LLMEngine:
         model.rotary.reserve(self.max_model_len)
         if config.block_size < 1 or config.page_size < 1:
             raise ValueError(f"block_size ({config.block_size}) and page_size ({config.page_size}) must be >= 1")
-        # A page holds whole blocks: the page size rounds down to a multiple of the block size (at least one).
-        self.page_size = page = config.block_size * max(1, config.page_size // config.block_size)
+        self.page_size = page = page_tokens(config.block_size, config.page_size)
         if config.num_pages is not None:
             self.pool = KVPool(config.num_pages, page, mc.head_dim, model.dtype, model.device)
         else:

@@ -171,23 +171,23 @@ def compact_pages(seqs: list[Sequence], keep: torch.Tensor, left: list[int], cho
         return
     # All sequences at once (a few ops per round, not per sequence): each kept column's
     # old and new column within its own sequence, and its sequence's first page.
-    dev, host = keep.device, lambda vals: torch.tensor(vals, device=dev)
+    dev = keep.device
+    starts = lambda sizes: torch.tensor(list(itertools.accumulate(sizes[:-1], initial=0)), device=dev)
     nps = [s.num_row_pages for s in seqs]
     keep_pages = [s.pages_for(k) for s, k in zip(seqs, left)]
-    seg = _segments(left, dev)                                               # [sum K] each kept column's sequence
-    col = keep - host(list(itertools.accumulate([s.num_blocks for s in seqs[:-1]], initial=0)))[seg]
-    new = torch.arange(keep.shape[2], device=dev) - host(list(itertools.accumulate(left[:-1], initial=0)))[seg]
-    first_page = host(list(itertools.accumulate(nps[:-1], initial=0)))[seg]
+    seg, page_seg = _segments(left, dev), _segments(nps, dev)   # each kept column's / page's sequence
+    page_start = starts(nps)
+    col = keep - starts([s.num_blocks for s in seqs])[seg]
+    new = torch.arange(keep.shape[2], device=dev) - starts(left)[seg]
     tables = cat([s.page_table for s in seqs]).long()                        # [L, Hkv, sum NP]
-    src = tables.gather(2, first_page + col // c) * c + col % c
-    dst = tables.gather(2, (first_page + new // c).expand_as(col)) * c + new % c
+    src = tables.gather(2, page_start[seg] + col // c) * c + col % c
+    dst = tables.gather(2, (page_start[seg] + new // c).expand_as(col)) * c + new % c
     moved = src != dst
     k_blocks, v_blocks = pool.blocks_view(seqs[0].block_size)
     ops.move_blocks(k_blocks, v_blocks, src[moved], dst[moved])
     # Pages past what the kept columns fill go back; the rest stay each sequence's table.
-    page_seg = _segments(nps, dev)
-    local = torch.arange(tables.shape[2], device=dev) - host(list(itertools.accumulate(nps[:-1], initial=0)))[page_seg]
-    stays = local < host(keep_pages)[page_seg]
+    local = torch.arange(tables.shape[2], device=dev) - page_start[page_seg]
+    stays = local < torch.tensor(keep_pages, device=dev)[page_seg]
     pool.free(tables[:, :, ~stays])
     for s, t in zip(seqs, tables[:, :, stays].to(torch.int32).split(keep_pages, 2)):
         s.page_table = t

@@ -127,13 +127,12 @@ class ModelRunner:
         append_blocks([g[0] for g in grow], [p.view(self.L, self.Hkv, g[3]) for p, g in zip(pages, grow)],
                       [g[2] for g in grow], [g[1] for g in grow])
 
-
     # ------------------------------------------------------------ step
     @torch.no_grad()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Feed ``t`` new tokens of each sequence. Returns logits [S, V] for
         the sequences whose tokens are now all cached (they need a next token)."""
-        bs, dev = self.bs, self.device
+        bs, c, dev = self.bs, self.c, self.device
         ids, pos, write_pages, write_slots, last_rows, sampled = [], [], [], [], [], []
         decode, prefill = [], []
         self._grow(batch)
@@ -144,7 +143,6 @@ class ModelRunner:
             pos.extend(range(n0, n1))
             # New tokens live in the trailing columns, identical in every row.
             # Pages come as views (no launch per decoding sequence); the slot within the page from the host.
-            c = self.c
             if t == 1:
                 decode.append((seq, row))
                 col = seq.num_blocks - 1
@@ -164,8 +162,8 @@ class ModelRunner:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         # int64 once per step: the reference kv_append would convert in every layer.
         write_pages = torch.cat(write_pages, 2).permute(0, 2, 1).long()        # [L, T, Hkv]
-        if self.c > 1:   # the block's address in the pool's blocks view
-            write_pages = write_pages * self.c + torch.tensor(write_slots, device=dev).view(1, -1, 1)
+        if c > 1:   # the block's address in the pool's blocks view
+            write_pages = write_pages * c + torch.tensor(write_slots, device=dev).view(1, -1, 1)
         offsets = (positions % bs).repeat_interleave(self.Hkv)
 
         dec = self._decode_meta(decode)
@@ -281,7 +279,7 @@ class ModelRunner:
     def _decode_attention(self, layer: int, q: torch.Tensor, dec: "_Decode"):
         """One query per sequence over its gathered pages; block mass only when
         some sequence evicts."""
-        B, Hkv, G, d, bs = q.shape[0], self.Hkv, self.G, self.d, self.bs
+        B, Hkv, G, d = q.shape[0], self.Hkv, self.G, self.d
         idx = dec.index[layer]
         S = dec.tables.shape[3] * self.page
         # index_select on the flat index: ~1.5x faster than advanced indexing on CPU.

@@ -115,8 +115,7 @@ class PrefixCache:
         pages = torch.stack([b.pages for b in blocks], -1).to(seq.page_table.device)
         if self.c > 1 and seq.eviction.budget_blocks is not None:
             own = self.pool.alloc(pages.numel()).to(pages.device)
-            self.pool.k_pages[own.long()] = self.pool.k_pages[pages.reshape(-1).long()]
-            self.pool.v_pages[own.long()] = self.pool.v_pages[pages.reshape(-1).long()]
+            ops.move_blocks(self.pool.k_pages, self.pool.v_pages, pages.reshape(-1), own)
             pages = own.view(pages.shape)
         else:
             self.pool.share(pages)
