@@ -29,6 +29,8 @@ def _seed_meta(seeds: list[int]):
 
 
 def _question_meta(args) -> dict:
+    if args.suite == "chat":
+        return {"gaps": args.gaps, "length_unit": "turns"}
     return {"question": args.question} if args.suite == "real" else {}
 
 
@@ -42,11 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "+prefill<N>x holds up to N times the budget during prefill, then the budget "
                         "(the request's prefill_allowance)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
-    p.add_argument("--suite", choices=["tasks", "real"], default="tasks",
+    p.add_argument("--suite", choices=["tasks", "real", "chat"], default="tasks",
                    help="tasks: the default model's task families; real: long-context retrieval on real text "
-                        "for a chat model (needle, multikey, multivalue, vartrack; kvpop/tasks/ruler.py)")
+                        "for a chat model (needle, multikey, multivalue, vartrack; kvpop/tasks/ruler.py); chat: "
+                        "facts told in a chat's first turns, asked for after --gaps turns of other talk, the "
+                        "history's replies fixed text (pet, number, place; kvpop/tasks/chat_recall.py)")
     p.add_argument("--lengths", default="1024,2048",
                    help="--suite real: prompt lengths in the model's tokens (chat-rendered)")
+    p.add_argument("--gaps", default="5,20",
+                   help="--suite chat: turns of other talk between the facts and the question")
     p.add_argument("--question", choices=["end", "first"], default="end",
                    help="--suite real: where the question is asked: after the text (the default) or before it, "
                         "so a budget held during prefill ranks the text with the question in the context")
@@ -99,6 +105,9 @@ def run(args) -> int:
     if args.suite == "real":
         from kvpop.tasks import ruler
         FAMILIES = {f: None for f in ruler.FAMILIES}   # noqa: N806 - the suite's families
+    elif args.suite == "chat":
+        from kvpop.tasks import chat_recall
+        FAMILIES = {f: None for f in chat_recall.FAMILIES}   # noqa: N806 - the suite's families
     families = list(FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [f for f in families if f not in FAMILIES]
     if bad:
@@ -190,7 +199,7 @@ def run(args) -> int:
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta, dense + rest)
-    print(report.markdown(rows, families))
+    print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
           f"in {meta['seconds']} s")
     return 0
@@ -200,6 +209,12 @@ def test_instances(args, families: list[str]):
     """(instances, shortest, longest, n per family) of the chosen suite, every
     seed's instances in one list."""
     from kvpop.tasks import suite
+    if args.suite == "chat":
+        from kvpop.tasks import chat_recall
+        gaps = [int(x) for x in args.gaps.split(",") if x.strip()]
+        n = 1 if args.quick else args.n
+        insts = [i for s in args.seed for i in chat_recall.model_test_set(args.model, n, gaps, families, s)]
+        return insts, min(gaps), max(gaps), n * len(args.seed)
     if args.suite == "real":
         from kvpop.tasks import ruler
         lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -253,7 +268,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
             "errors": errors}
     out = Path(args.out)
     report.write(rows, families, out, meta, outcomes)
-    print(report.markdown(rows, families))
+    print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
     for key, d in decisions.items():
         if key.startswith("learned"):
             print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "

@@ -55,7 +55,8 @@ def _sig(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
-def markdown(rows: list[dict], families: list[str]) -> str:
+def markdown(rows: list[dict], families: list[str], unit: str = "tokens") -> str:
+    """unit: what an instance's length counts (prompt tokens; turns of talk in the chat suite)."""
     pooled = [r for r in rows if r.get("length") is None]
     by = {(r["policy"], r["compression"], r["task"]): r for r in pooled}
     settings = sorted({(r["compression"], r["policy"]) for r in pooled}, key=lambda s: (s[0], s[1] != "dense", s[1]))
@@ -75,8 +76,9 @@ def markdown(rows: list[dict], families: list[str]) -> str:
         # The pooled table hides where accuracy falls off: one column per length asked for.
         per = {(r["policy"], r["compression"], r["length"]): r for r in rows
                if r.get("length") is not None and r["task"] == "all"}
-        out += ["", "By prompt length (every family pooled; accuracy, n per cell in brackets):", "",
-                "| policy | compression | " + " | ".join(f"{x:,} tokens" for x in lengths) + " |",
+        title = "prompt length" if unit == "tokens" else unit
+        out += ["", f"By {title} (every family pooled; accuracy, n per cell in brackets):", "",
+                "| policy | compression | " + " | ".join(f"{x:,} {unit}" for x in lengths) + " |",
                 "|" + "---|" * (2 + len(lengths))]
         for comp, pol in settings:
             cells = [pol, f"{comp:.2%}" if comp else "0 (dense)"]
@@ -134,5 +136,6 @@ def write(rows: list[dict], families: list[str], out: Path, meta: dict, outcomes
                 f.write(json.dumps(outcome_line(o)) + "\n")
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families))
+    unit = meta.get("length_unit", "tokens")
+    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families, unit))
     plot(rows, families, out / "accuracy.png")
