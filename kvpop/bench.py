@@ -49,7 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     x.add_argument("--requests", type=int, default=40, help="requests per side and repeat")
     x.add_argument("--system-len", type=int, default=512, help="shared system prompt (tokens)")
     x.add_argument("--user-len", type=int, default=16, help="distinct user turn (tokens)")
-    from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
+    from kvpop import bench_chat, bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
+    bench_chat.add_arguments(sub.add_parser(
+        "chat", help="a long chat turn by turn: a session at a budget vs a client re-sending the whole chat"))
     bench_step.add_arguments(sub.add_parser(
         "step", help="one decode step's host cost per policy and sequences, in process: ms, launches, device reads"))
     bench_scoring.add_arguments(sub.add_parser(
@@ -78,9 +80,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    if args.bench in ("learned", "serve", "grpc", "context", "scoring", "step"):
-        from kvpop import bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
-        return {"learned": bench_learned, "serve": bench_serve, "grpc": bench_grpc, "context": bench_context,
+    if args.bench in ("chat", "learned", "serve", "grpc", "context", "scoring", "step"):
+        from kvpop import bench_chat, bench_context, bench_grpc, bench_learned, bench_scoring, bench_serve, bench_step
+        return {"chat": bench_chat, "learned": bench_learned, "serve": bench_serve, "grpc": bench_grpc, "context": bench_context,
                 "scoring": bench_scoring, "step": bench_step}[args.bench].run(args)
     threads = torch.get_num_threads()
     if args.threads:

@@ -211,7 +211,10 @@ def test_instances(args, families: list[str]):
     from kvpop.tasks import suite
     if args.suite == "chat":
         from kvpop.tasks import chat_recall
-        gaps = [int(x) for x in args.gaps.split(",") if x.strip()]
+        try:
+            gaps = [int(x) for x in args.gaps.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--gaps takes comma-separated turn counts, got {args.gaps!r}") from None
         n = 1 if args.quick else args.n
         insts = [i for s in args.seed for i in chat_recall.model_test_set(args.model, n, gaps, families, s)]
         return insts, min(gaps), max(gaps), n * len(args.seed)
@@ -243,7 +246,11 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     if args.estimator or args.device != "cpu":
         print("note: --estimator and --device are for in-process runs; a stack uses what it was started "
               "with (`kvpop up --estimator ... --device ...`)")
-    instances, lo, hi, n = test_instances(args, families)
+    try:
+        instances, lo, hi, n = test_instances(args, families)
+    except ValueError as e:
+        print(f"kvpop eval: {e}")
+        return 2
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info
     print(f"via {args.via}: model {info.name} ({info.architecture}, {info.num_layers} layers), "

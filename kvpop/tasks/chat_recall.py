@@ -48,6 +48,8 @@ def _fact(family: str, rng: random.Random) -> tuple[str, str, str, str]:
 
 def conversation(family: str, seed: int, gap: int) -> tuple[list[dict], str, str]:
     """(messages ending with the question, the value asked for, a reference answer)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown chat family {family!r}; choose from {', '.join(FAMILIES)}")
     if not 0 <= gap <= len(EXCHANGES):
         raise ValueError(f"a gap of {gap} turns: the chat suite has {len(EXCHANGES)} different exchanges")
     # The facts, their order and the talk follow from (family, seed) alone: a shorter gap's
