@@ -96,22 +96,20 @@ def run(args) -> int:
 
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Harness, Setting
-    from kvpop.tasks import FAMILIES
+    from kvpop.tasks import FAMILIES as TASK_FAMILIES
     from services.compute.engine import EngineConfig, LLMEngine
     from services.compute.policies import POLICY_NAMES
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
-    if args.suite == "real":
-        from kvpop.tasks import ruler
-        FAMILIES = {f: None for f in ruler.FAMILIES}   # noqa: N806 - the suite's families
-    elif args.suite == "chat":
-        from kvpop.tasks import chat_recall
-        FAMILIES = {f: None for f in chat_recall.FAMILIES}   # noqa: N806 - the suite's families
-    families = list(FAMILIES) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
-    bad = [f for f in families if f not in FAMILIES]
+    known = tuple(TASK_FAMILIES)    # the suite's families
+    if args.suite in ("real", "chat"):
+        from kvpop.tasks import chat_recall, ruler
+        known = (ruler if args.suite == "real" else chat_recall).FAMILIES
+    families = list(known) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    bad = [f for f in families if f not in known]
     if bad:
-        print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(FAMILIES)}")
+        print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(known)}")
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     from kvpop.config import MAX_PREFILL_ALLOWANCE
