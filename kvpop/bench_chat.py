@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--turns", type=int, default=50, help="user turns")
     p.add_argument("--budget", type=int, default=256, help="the session's KV budget per (layer, kv-head), tokens")
     p.add_argument("--policy", default="learned", help="the session's eviction policy")
-    p.add_argument("--max-tokens", type=int, default=48, help="most tokens per reply")
+    p.add_argument("--max-tokens", type=int, default=32, help="most tokens per reply")
     p.add_argument("--seed", type=int, default=0, help="order of the user messages")
     p.add_argument("--json", type=Path, default=None, help="write the per-turn results here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG here")
