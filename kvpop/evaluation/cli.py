@@ -181,16 +181,18 @@ def run(args) -> int:
     rest = harness.run(settings, instances, desc="policies", reference=reference if forcing else None,
                        forcing=forcing)
     rows = report.records(dense + rest, families)
+    decisions = {f"{p}@{c}": d for (p, c), d in sorted(harness.decisions.items()) if d.get("evicted")}
     if engine.scheduler.budget_shrinks:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": _seed_meta(args.seed),
             "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
             "prefill_chunk": args.prefill_chunk, "sink": args.sink, "recent": args.recent, **_question_meta(args),
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1), "decisions": decisions}
     out = Path(args.out)
     report.write(rows, families, out, meta, dense + rest)
     print(report.markdown(rows, families))
+    print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
           f"in {meta['seconds']} s")
     return 0
@@ -215,6 +217,13 @@ def test_instances(args, families: list[str]):
             n, lo, hi = 1, args.min_len or 448, args.max_len or 520
         one_seed = lambda s: suite.test_set(n, families, s, lo, hi)
     return [i for s in args.seed for i in one_seed(s)], lo, hi, n * len(args.seed)
+
+
+def print_network_share(decisions: dict) -> None:
+    for key, d in decisions.items():
+        if key.startswith("learned"):
+            print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
+                  f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
 
 
 def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:
@@ -254,10 +263,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     out = Path(args.out)
     report.write(rows, families, out, meta, outcomes)
     print(report.markdown(rows, families))
-    for key, d in decisions.items():
-        if key.startswith("learned"):
-            print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
-                  f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
+    print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
     if failed:
         print(f"{len(failed)} of {len(outcomes)} requests failed and count as wrong answers:")
