@@ -59,8 +59,10 @@ class PrewarmEntry:
 
 class PrewarmCounter:
     def __init__(self, client: aioredis.Redis, max_entries: int = 1000,
-                 min_chars: int = 64, max_chars: int = 4096, backoff_s: float = 1.0):
+                 min_chars: int = 64, max_chars: int = 4096, backoff_s: float = 1.0, clock=time.monotonic):
+        """clock: what the backoff is measured on (a test's own clock)."""
         self.redis = client
+        self.clock = clock
         self.max_entries = max_entries
         self.min_chars = min_chars
         self.max_chars = max_chars
@@ -74,7 +76,7 @@ class PrewarmCounter:
         prefixes = candidate_prefixes(prompt, system_prompt, self.min_chars, self.max_chars)
         if not prefixes:
             return 0
-        if time.monotonic() < self._skip_until:
+        if self.clock() < self._skip_until:
             self.skipped += 1
             return 0
         now = time.time()
@@ -91,7 +93,7 @@ class PrewarmCounter:
                 if size > self.max_entries * 2:
                     await self._trim()
         except RedisUnavailable:
-            self._skip_until = time.monotonic() + self.backoff_s
+            self._skip_until = self.clock() + self.backoff_s
             raise
         return len(prefixes)
 
