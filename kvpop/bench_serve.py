@@ -24,7 +24,8 @@ stack being measured. It reports its own CPU seconds (``client_cpu_s``).
 
 Writes DIR/results.json, DIR/summary.json (throughput_ratio, concurrency_ratio:
 the first non-dense policy over dense at the highest rate; client_cpu_s),
-DIR/results.md, DIR/throughput.png and DIR/latency_cdf.png. With
+DIR/results.md, DIR/outputs.jsonl (each request's text), DIR/throughput.png
+and DIR/latency_cdf.png. With
 `--prefill-chunks 512,128` the whole run repeats on one stack per prompt
 chunk size (rows carry `prefill_chunk`; summary.json `by_prefill_chunk`).
 """
@@ -176,6 +177,7 @@ def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float
         "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
         "accuracy": round(sum(is_correct(inst, "".join(s.text)) for s, inst in answered) / max(1, len(ok)), 4),
         "client_cpu_s": round(cpu, 2), "_ttft": ttft, "_itl": itl,
+        "_texts": [None if s.error else "".join(s.text) for s in streams],
     }
 
 
@@ -359,13 +361,18 @@ def write(args, rows: list[dict], policies: list[str], rates: list[float], clien
             "num_pages": None if args.via else args.num_pages, "block_size": args.block_size,
             "page_size": args.page_size, "layouts": args.layouts, "seed": args.seed}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": clean}, indent=1) + "\n")
+    with open(out / "outputs.jsonl", "w") as f:      # each request's text, in workload order
+        for r in rows:
+            for i, text in enumerate(r.get("_texts", [])):
+                f.write(json.dumps({k: r.get(k) for k in ("policy", "rate", "layout", "prefill_chunk")}
+                                   | {"request": i, "text": text}) + "\n")
     (out / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     md = markdown(clean)
     (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + md)
     plots(rows, policies, rates, out)
     print(md)
     print(json.dumps(s))
-    print(f"wrote {out}/results.json, summary.json, results.md, throughput.png, latency_cdf.png")
+    print(f"wrote {out}/results.json, summary.json, results.md, outputs.jsonl, throughput.png, latency_cdf.png")
 
 
 def plots(rows, policies, rates, out: Path) -> None:

@@ -92,5 +92,5 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
         "itl_p50_ms": ms(itl, 0.5), "itl_p99_ms": ms(itl, 0.99),
         "peak_running": peak, "peak_pages": 0, "network_share": None,
         "accuracy": round(sum(is_correct(inst, t) for inst, t in zip(insts, texts)) / len(insts), 4),
-        "_ttft": ttft, "_itl": itl,
+        "_ttft": ttft, "_itl": itl, "_texts": texts,
     }
