@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from kvpop.bench_machine import machine
 from kvpop.flags import add_budget
 from kvpop.model_store import model_arg
 from kvpop.paths import DEFAULT_MODEL_DIR
@@ -118,15 +119,6 @@ def _check(args) -> None:
             raise ValueError("--budget must be a fraction in (0, 1] or a number of tokens > 1")
     elif args.requests < 1 or args.system_len < 1 or args.user_len < 1:
         raise ValueError("--requests, --system-len and --user-len must be >= 1")
-
-
-def machine() -> dict:
-    import os
-    import platform
-    return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "load_avg_1m": os.getloadavg()[0]}
 
 
 def _sync(device: str) -> None:

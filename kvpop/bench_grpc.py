@@ -201,7 +201,7 @@ def print_table(res: dict) -> None:
 
 def run(args) -> int:
     res = bench(args)
-    from kvpop.bench import machine
+    from kvpop.bench_machine import machine
     res["machine"] = machine()
     print_table(res)
     if args.json:

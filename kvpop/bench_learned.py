@@ -44,7 +44,8 @@ def add_arguments(p) -> None:
 
 
 def _prompts(n: int, length: int, seed: int) -> list[str]:
-    from kvpop.tasks import FAMILIES, suite
+    from kvpop.tasks import suite
+    from kvpop.tasks.suite import FAMILIES
     fams = list(FAMILIES)
     return [suite.generate(fams[i % len(fams)], 10_000 + seed * 100 + i, length).prompt for i in range(n)]
 

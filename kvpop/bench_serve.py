@@ -95,7 +95,8 @@ def cpu_seconds() -> float:
 
 
 def workload(n: int, seed: int, lo: int = 600, hi: int = 1280):
-    from kvpop.tasks import FAMILIES, suite
+    from kvpop.tasks import suite
+    from kvpop.tasks.suite import FAMILIES
     per = math.ceil(n / len(FAMILIES))
     insts = suite.test_set(per, list(FAMILIES), seed, lo, hi)
     random.Random(seed).shuffle(insts)

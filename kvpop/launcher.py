@@ -38,7 +38,7 @@ from kvpop.launcher_down import stop_stack
 from kvpop.model_store import estimator_arg, model_arg, resolve_model
 from kvpop.paths import REPO_ROOT
 from kvpop.policy_names import POLICIES
-from kvpop.stack import (SERVICES, STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack,  # noqa: F401 (re-exported)
+from kvpop.stack import (CONTROL_DIR, SERVICES, STATE_FILE, SUPERVISOR, TOKEN_FILE, Proc, Stack,  # noqa: F401 (re-exported)
                          _died, default_state_dir, free_port, proc_start_time, proc_uptime)
 
 _MODULES = {"cache-manager": "services.cache_manager", "compute": "services.compute", "gateway": "services.gateway"}
@@ -300,8 +300,6 @@ def wait_serving(stack: Stack, name: str, timeout: float, env: dict[str, str] | 
 
 def request_restart(state_dir: Path | str, name: str) -> Path:
     """Ask the supervisor to restart `name` (SIGTERM, its grace, then a new process)."""
-    from kvpop.supervisor import CONTROL_DIR
-
     control = Path(state_dir) / CONTROL_DIR
     control.mkdir(exist_ok=True)
     path = control / f"restart-{name}"

@@ -12,6 +12,7 @@ from pathlib import Path
 STATE_FILE = "stack.json"
 TOKEN_FILE = "internal_token"
 SUPERVISOR = "supervisor"
+CONTROL_DIR = "control"      # under the state dir: requests to the supervisor (`kvpop restart`)
 SERVICES = ("cache-manager", "compute", "gateway")
 
 

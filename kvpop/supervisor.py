@@ -52,11 +52,11 @@ from pathlib import Path
 
 from kvpop.launcher import SUPERVISOR, Proc, Stack, log_tail, proc_start_time
 from kvpop.paths import REPO_ROOT
+from kvpop.stack import CONTROL_DIR
 
 log = logging.getLogger("kvpop.supervisor")
 
 STATUS_FILE = "supervisor.json"
-CONTROL_DIR = "control"
 POLL_S = 0.05
 STABLE_S = 30.0
 READY_POLL_S = 0.25

@@ -90,7 +90,7 @@ def run(args) -> int:
 
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Harness, Setting
-    from kvpop.tasks import FAMILIES
+    from kvpop.tasks.suite import FAMILIES
     from services.compute.engine import EngineConfig, LLMEngine
     from services.compute.policies import POLICY_NAMES
 

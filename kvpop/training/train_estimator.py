@@ -506,7 +506,7 @@ def run(args) -> int:
                 print(f"cannot trace: {e}")
                 return 2
         else:
-            from kvpop.tasks import FAMILIES
+            from kvpop.tasks.suite import FAMILIES
             fams = args.families.split(",") if args.families else None
             if fams and not set(fams) <= set(FAMILIES):
                 print(f"--families: unknown {sorted(set(fams) - set(FAMILIES))}; known: {', '.join(FAMILIES)}")

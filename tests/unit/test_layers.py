@@ -61,3 +61,72 @@ def test_the_rule_catches_a_violation():
     assert not _allowed("kvkernels.ops", "kvpop.bench")
     assert not _allowed("services.compute.engine", "kvpop.evaluation.harness")
     assert _allowed("kvpop.bench", "services.compute.engine") and _allowed("services.compute.engine", "kvpop.config")
+
+
+def _modules() -> set[str]:
+    out = set()
+    for top in ("kvpop", "services", "kvkernels"):
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> our modules it imports (`from pkg import mod` imports pkg and pkg.mod)."""
+    known, graph = _modules(), {}
+    for top in ("kvpop", "services", "kvkernels"):
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            src = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if src.startswith("kvpop.pb."):
+                continue
+            deps = graph.setdefault(src, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    deps.add(node.module)             # runs the package's __init__ too
+                    deps.update(f"{node.module}.{alias.name}" for alias in node.names)
+                elif isinstance(node, ast.Import):
+                    deps.update(alias.name for alias in node.names)
+            deps &= known
+            deps.discard(src)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert not _cycles(_module_graph()), "import cycles:\n" + "\n".join(map(str, _cycles(_module_graph())))
+
+
+def test_the_cycle_check_catches_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles({"a": {"b"}, "b": set()})
