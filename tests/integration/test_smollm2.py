@@ -432,7 +432,7 @@ def test_every_consumer_gets_the_capped_test_set(model_dir):
 
 
 def test_gpu_long_context_script_dry_run(model_dir, tmp_path):
-    """scripts/gpu_long_context.sh is run on a lent GPU machine once, with no
+    """research/gpu_long_context.sh is run on a lent GPU machine once, with no
     second try: its CPU dry run (every stage at tiny sizes) must keep working.
     It traces, continues the shipped estimator, evaluates, and packs results."""
     import tarfile
@@ -442,7 +442,7 @@ def test_gpu_long_context_script_dry_run(model_dir, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "DRY": "1", "DEVICE": "cpu", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,
            "KVPOP_HOME": str(kvpop_home())}
-    r = subprocess.run(["bash", "scripts/gpu_long_context.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+    r = subprocess.run(["bash", "research/gpu_long_context.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     log = (out / "log.txt").read_text()
     assert r.returncode == 0, log + r.stderr[-2000:]

@@ -3,7 +3,7 @@
 end, per row, how many of those tokens it holds next to how much the dense
 model's answer reads them there (docs/design/estimator.md, "Tried and not shipped": spans).
 
-    .venv/bin/python scripts/needle_rows.py --seed 1 --index 0 --length 8192 --compression 0.875
+    .venv/bin/python research/needle_rows.py --seed 1 --index 0 --length 8192 --compression 0.875
 
 The request runs through the eval's in-process engine and the cache-manager's
 own planner (LocalAdvisor); the script only reads the scores each plan uses.

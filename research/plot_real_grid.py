@@ -2,7 +2,7 @@
 length and compression: one markdown table (accuracy), one of KV memory, and
 a plot (accuracy and peak KV against compression, a panel per length).
 
-    .venv/bin/python scripts/plot_real_grid.py --ours runs/grid_ours_1024_2048,runs/grid_ours_4096 \
+    .venv/bin/python research/plot_real_grid.py --ours runs/grid_ours_1024_2048,runs/grid_ours_4096 \
         --kvpress runs/grid_kvp_1024_2048,runs/grid_kvp_4096 --out docs/img/eval_real_grid.png
 
 --ours: `kvpop eval --suite real` output folders (results.json); --kvpress:

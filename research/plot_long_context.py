@@ -2,7 +2,7 @@
 `kvpop eval` and `scripts/compare_kvpress.sh` runs docs/results/long-context.md
 lists) -> docs/img/long_context_87.png.
 
-    .venv/bin/python scripts/plot_long_context.py
+    .venv/bin/python research/plot_long_context.py
 """
 import json
 from pathlib import Path

