@@ -163,7 +163,7 @@ def run(args) -> int:
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     # No cleanup: a request that does not fit the pool waits; it never
     # shrinks running budgets (cleanup would silently evaluate a higher compression
-    # than asked: on SmolLM2, 90 rows fill the default pool and it did).
+    # than asked; a shrunk budget fails the run below).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                     max_model_len=max(4096, longest), prefill_chunk=args.prefill_chunk,
                                     cleanup_threshold=float("inf"), plan_interval=args.plan_interval,
