@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvpop.evaluation.harness import Harness, Setting  # noqa: E402
 from kvpop.evaluation.local_advisor import LocalAdvisor  # noqa: E402
 from kvpop.evaluation.oracle import answer_attention  # noqa: E402
-from kvpop.model_store import model_arg  # noqa: E402
+from kvpop.models.fetch import model_arg  # noqa: E402
 from kvpop.tasks import ruler  # noqa: E402
 from services.compute.engine import EngineConfig, LLMEngine  # noqa: E402
 

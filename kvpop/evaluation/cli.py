@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
-from kvpop.model_store import estimator_arg, model_arg
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.models.fetch import estimator_arg, model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
@@ -105,7 +105,7 @@ def run(args) -> int:
         print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(FAMILIES)}")
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from kvpop.config import MAX_PREFILL_ALLOWANCE
+    from kvpop.runtime.config import MAX_PREFILL_ALLOWANCE
     from kvpop.evaluation.harness import after_prompt, policy_spec, prefill_allowance
     try:
         unknown = [p for p in policies if policy_spec(p)[0] not in POLICY_NAMES and p != "oracle"]

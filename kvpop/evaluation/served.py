@@ -22,7 +22,7 @@ from kvpop.tasks.checker import is_correct
 class ServedHarness:
     def __init__(self, address: str, sink: int = 4, recent: int = 8, margin: int = 16, concurrency: int = 16,
                  timeout: float = 600.0):
-        from kvpop.pb import generate_pb2, generate_pb2_grpc
+        from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
         from services.compute.budget import min_budget_blocks
 
         self.pb = generate_pb2

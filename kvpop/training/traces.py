@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpop.config import PREFILL_CHUNK
+from kvpop.runtime.config import PREFILL_CHUNK
 
 
 @dataclass

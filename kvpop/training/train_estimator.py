@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
-from kvpop.model_store import model_arg
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.models.fetch import model_arg
 
 KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
 

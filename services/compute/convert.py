@@ -3,7 +3,7 @@ the servicer's requests become engine parameters and the engine's outputs
 become response messages."""
 from __future__ import annotations
 
-from kvpop.pb import compute_pb2, generate_pb2
+from kvpop.runtime.pb import compute_pb2, generate_pb2
 from services.compute.budget import EvictionParams
 from services.compute.engine import StepOutput, Usage
 from services.compute.sampler import SamplingParams

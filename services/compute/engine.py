@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
 from services.compute import detokenize
 from services.compute.advisor import FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.budget import EvictionParams, resolve_eviction

@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 
-from kvpop import telemetry
-from kvpop.config import ComputeConfig
-from kvpop.grpc_server import GrpcService
-from kvpop.metrics import EngineStatsRefresher, get_metrics
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
+from kvpop.runtime import telemetry
+from kvpop.runtime.config import ComputeConfig
+from kvpop.runtime.grpc_server import GrpcService
+from kvpop.runtime.metrics import EngineStatsRefresher, get_metrics
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer(__name__)

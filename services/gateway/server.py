@@ -28,14 +28,14 @@ from collections import OrderedDict
 
 import grpc
 
-from kvpop.config import GatewayConfig
-from kvpop.grpc_server import GrpcService
-from kvpop.metrics import get_metrics
-from kvpop.pb import compute_pb2, generate_pb2, generate_pb2_grpc
-from kvpop.prewarm import PrewarmCounter
-from kvpop.redis_client import RedisUnavailable, connect
-from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
-from kvpop.store import Session, SessionStore, Turn
+from kvpop.runtime.config import GatewayConfig
+from kvpop.runtime.grpc_server import GrpcService
+from kvpop.runtime.metrics import get_metrics
+from kvpop.runtime.pb import compute_pb2, generate_pb2, generate_pb2_grpc
+from kvpop.runtime.prewarm import PrewarmCounter
+from kvpop.runtime.redis_client import RedisUnavailable, connect
+from kvpop.runtime.replica_registry import NoReplicaAvailable, ReplicaRegistry
+from kvpop.runtime.session_store import Session, SessionStore, Turn
 from services.gateway.admission import Admission, Admitted, Refused
 from services.gateway.auth import CALLER
 from services.gateway.chats import check_kind, continue_chat

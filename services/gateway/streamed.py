@@ -3,8 +3,8 @@ the gateway: the text and tokens a session stores as its turn, the finish, and
 the usage the request's log line and metrics report."""
 from __future__ import annotations
 
-from kvpop.pb import compute_pb2, generate_pb2
-from kvpop.store import Turn
+from kvpop.runtime.pb import compute_pb2, generate_pb2
+from kvpop.runtime.session_store import Turn
 
 _FINISH_WORDS = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_EOS: "eos",
                  generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_ABORTED: "aborted"}

@@ -11,9 +11,9 @@ import time
 import grpc
 import pytest
 
-from kvpop import bench_serve
-from kvpop.loadgen import Stream, request
-from kvpop.pb import generate_pb2, generate_pb2_grpc
+from kvpop.bench import serve as bench_serve
+from kvpop.bench.loadgen import Stream, request
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ import urllib.request
 import grpc
 import pytest
 
-from kvpop.launcher import restart_service, start_stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import DEFAULT_MODEL_DIR
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
-from kvpop.security import sync_channel
+from kvpop.stack.up import restart_service, start_stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.runtime.security import sync_channel
 from kvpop.tasks import suite
 from stack_helpers import wait_until
 

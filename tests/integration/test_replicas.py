@@ -18,11 +18,11 @@ import grpc
 import pytest
 import redis as redis_sync
 
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT as REPO
-from kvpop.pb import compute_pb2
-from kvpop.redis_client import connect
-from kvpop.registry import ReplicaRegistry
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT as REPO
+from kvpop.runtime.pb import compute_pb2
+from kvpop.runtime.redis_client import connect
+from kvpop.runtime.replica_registry import ReplicaRegistry
 from services.gateway.routing import Router
 from helpers_common import stop_processes, wait_until
 
@@ -279,7 +279,7 @@ def _serving(address: str) -> bool:
 
 
 def _finished(address: str) -> float:
-    from kvpop.pb import compute_pb2_grpc
+    from kvpop.runtime.pb import compute_pb2_grpc
     with grpc.insecure_channel(address) as ch:
         info = compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
     return info.stats.extra["finished_requests"]
@@ -288,8 +288,8 @@ def _finished(address: str) -> float:
 def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_server, tmp_path):
     import json
 
-    from kvpop.pb import generate_pb2, generate_pb2_grpc
-    from kvpop.prewarm import PrewarmCounter
+    from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
+    from kvpop.runtime.prewarm import PrewarmCounter
 
     reps = Replicas(redis_server, tmp_path)
     gw_port = free_port()
@@ -341,7 +341,7 @@ def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_se
                 list(stub.Generate(gen(system + f"question {i}: what is {i} + {i}?", 2), timeout=60))
 
             async def top():
-                from kvpop.redis_client import connect as aconnect
+                from kvpop.runtime.redis_client import connect as aconnect
                 c = aconnect(redis_server.url)
                 try:
                     return await PrewarmCounter(c).top_entries(1)

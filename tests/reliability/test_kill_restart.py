@@ -39,12 +39,12 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .reliability_stack import BLOCK_SIZE, MAX_MODEL_LEN, clean_env, request, wait_until
-from kvpop.launcher import Stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc, generate_pb2_grpc
-from kvpop.security import SecurityConfig, sync_channel
-from kvpop.store import turns_key
+from kvpop.stack.up import Stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc, generate_pb2_grpc
+from kvpop.runtime.security import SecurityConfig, sync_channel
+from kvpop.runtime.session_store import turns_key
 
 pytestmark = pytest.mark.slow
 

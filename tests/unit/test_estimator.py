@@ -428,7 +428,7 @@ def test_the_default_model_routes_block_sizes_1_and_16_to_their_own_networks():
     only) and the primary for every other block size."""
     import json
 
-    from kvpop.paths import DEFAULT_MODEL_DIR
+    from kvpop.runtime.paths import DEFAULT_MODEL_DIR
     from services.cache_manager.planner import Planner
 
     planner = Planner("")

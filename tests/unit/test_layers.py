@@ -27,7 +27,7 @@ def _imports():
     for top in ("kvpop", "services", "kvkernels"):
         for path in (REPO / top).rglob("*.py"):
             module = ".".join(path.relative_to(REPO).with_suffix("").parts)
-            if module.startswith("kvpop.pb."):
+            if module.startswith("kvpop.runtime.pb."):
                 continue        # generated stubs
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -57,10 +57,10 @@ def test_nothing_imports_a_higher_layer_or_another_service():
 
 def test_the_rule_catches_a_violation():
     assert not _allowed("services.gateway.server", "services.compute.engine")
-    assert not _allowed("kvpop.metrics", "services.compute.engine")
-    assert not _allowed("kvkernels.ops", "kvpop.bench")
+    assert not _allowed("kvpop.runtime.metrics", "services.compute.engine")
+    assert not _allowed("kvkernels.ops", "kvpop.bench.cli")
     assert not _allowed("services.compute.engine", "kvpop.evaluation.harness")
-    assert _allowed("kvpop.bench", "services.compute.engine") and _allowed("services.compute.engine", "kvpop.config")
+    assert _allowed("kvpop.bench.cli", "services.compute.engine") and _allowed("services.compute.engine", "kvpop.runtime.config")
 
 
 def _modules() -> set[str]:
@@ -79,7 +79,7 @@ def _module_graph() -> dict[str, set[str]]:
         for path in (REPO / top).rglob("*.py"):
             parts = path.relative_to(REPO).with_suffix("").parts
             src = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-            if src.startswith("kvpop.pb."):
+            if src.startswith("kvpop.runtime.pb."):
                 continue
             deps = graph.setdefault(src, set())
             for node in ast.walk(ast.parse(path.read_text())):

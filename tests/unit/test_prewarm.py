@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from kvpop.prewarm import (
+from kvpop.runtime.prewarm import (
     COUNTS_KEY, TEXT_KEY, PrewarmCounter, candidate_prefixes, prefix_hash,
 )
-from kvpop.redis_client import RedisUnavailable, connect
+from kvpop.runtime.redis_client import RedisUnavailable, connect
 
 SYSTEM = ("You are a careful assistant. Track every register, show each step of the "
           "arithmetic, and answer with the final value only. ") * 2   # 246 chars

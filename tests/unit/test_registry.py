@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kvpop.redis_client import RedisUnavailable, connect
-from kvpop.registry import (
+from kvpop.runtime.redis_client import RedisUnavailable, connect
+from kvpop.runtime.replica_registry import (
     INDEX_KEY, Heartbeat, NoReplicaAvailable, Replica, ReplicaRegistry, replica_key,
 )
 
