@@ -25,8 +25,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-CONVERTER_VERSION = 2
-
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 

@@ -57,7 +57,7 @@ def _on_off_auto(s: str) -> str:
 
 
 def _model_folder(s: str) -> str:
-    from kvpop.models.fetch import resolve_model
+    from kvpop.runtime.model_cache import resolve_model
     return resolve_model(s)
 
 

@@ -437,7 +437,7 @@ def test_gpu_long_context_script_dry_run(model_dir, tmp_path):
     It traces, continues the shipped estimator, evaluates, and packs results."""
     import tarfile
 
-    from kvpop.models.fetch import kvpop_home
+    from kvpop.runtime.model_cache import kvpop_home
     from kvpop.runtime.paths import REPO_ROOT
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "DRY": "1", "DEVICE": "cpu", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,

@@ -14,8 +14,7 @@ import pytest
 
 from helpers_common import free_port
 from kvpop.runtime.config import ComputeConfig, ConfigError, load
-from kvpop.models.gguf_convert import CONVERTER_VERSION
-from kvpop.models.fetch import KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
+from kvpop.runtime.model_cache import CONVERTER_VERSION, KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
 from kvpop.runtime.paths import REPO_ROOT
 
 NAME = "smollm2-135m"
