@@ -8,6 +8,7 @@ session record names the new replica."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import grpc
@@ -20,7 +21,10 @@ from test_replicas import sessions_stack
 
 pytestmark = pytest.mark.slow
 
-KV_TTL_S = 5.0          # replicas drop a session's KV after this long idle
+# Replicas drop a session's KV after this long idle: long enough that the resident
+# sessions' next turns come within it on a loaded machine (a replica's start and two
+# other turns lie between them), short enough to wait out for s3.
+KV_TTL_S = float(os.environ.get("KVPOP_TEST_KV_TTL_S", "15"))
 MAX_MODEL_LEN = 512
 N = 6                   # tokens per turn
 
