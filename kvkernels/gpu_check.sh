@@ -61,7 +61,7 @@ echo "tests exit code: $rc" | tee -a "$OUT/tests.log"
 [ "$rc" -ne 0 ] && status=1
 
 echo "== (b) benchmark" | tee "$OUT/bench.log"
-timeout 360 "$PY" -m kvpop.bench_kernels --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
+timeout 360 "$PY" -m kvpop.bench.kernels --out "$OUT" --time-budget 250 ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench exit code: $rc" | tee -a "$OUT/bench.log"
 [ "$rc" -ne 0 ] && status=1
@@ -71,7 +71,7 @@ STEP_ARGS=(--sequences 14,48,96); SERVE_ARGS=(--rates inf)
 if [[ " ${BENCH_ARGS:-} " == *" --dry-run "* ]]; then    # the CPU smoke run: tiny sizes
   STEP_ARGS=(--sequences 2 --steps 4); SERVE_ARGS=(--quick)
 fi
-if "$PY" -c "import grpc, redis, opentelemetry.sdk, kvpop.bench_serve" 2>/dev/null; then
+if "$PY" -c "import grpc, redis, opentelemetry.sdk, kvpop.bench.serve" 2>/dev/null; then
   echo "== (c) decode step cost" | tee "$OUT/step.log"
   timeout 300 "${KVPOP[@]}" bench step --device auto "${STEP_ARGS[@]}" --json "$OUT/step.json" 2>&1 | tee -a "$OUT/step.log"
   [ "${PIPESTATUS[0]}" -ne 0 ] && status=1

@@ -11,9 +11,9 @@ import sys
 import time
 import uuid
 
-from kvpop.client import add_connection_arguments, build_request, gateway_address, usage_line
+from kvpop.stack.generate import add_connection_arguments, build_request, gateway_address, usage_line
 from kvpop.flags import add_budget
-from kvpop.policy_names import POLICIES
+from kvpop.stack.policy_names import POLICIES
 
 EPILOG = "Commands: /usage, /reset, /quit. Exit status: 0 at /quit or end of input, 1 when the gateway is unreachable."
 HELP = "type a message; /usage shows the last turn's usage, /reset starts over, /quit leaves"
@@ -33,8 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _turn_args(args: argparse.Namespace, session: str, message: str, first: bool) -> argparse.Namespace:
     """The `kvpop generate --chat MESSAGE --session ID` arguments of one turn."""
-    from kvpop import client
-
+    from kvpop.stack import generate as client
     p = argparse.ArgumentParser()
     client.add_arguments(p)
     turn = p.parse_args(["--chat", message, "--session", session])
@@ -51,8 +50,8 @@ def new_session() -> str:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from kvpop.gateway_channel import key_metadata, public_channel
-    from kvpop.pb import generate_pb2_grpc
+    from kvpop.stack.gateway_channel import key_metadata, public_channel
+    from kvpop.runtime.pb import generate_pb2_grpc
 
     address = gateway_address(args)
     # --system goes with this REPL's first turn (a system message later in a chat is the template's to take).

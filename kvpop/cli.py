@@ -8,15 +8,15 @@ import sys
 
 # name -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("kvpop.launcher", "start redis (if needed), cache-manager, compute and gateway"),
-    "down": ("kvpop.launcher_down", "stop a stack started by `kvpop up`"),
-    "status": ("kvpop.status", "processes, restarts and health of a stack started by `kvpop up`"),
-    "restart": ("kvpop.restart", "restart one service of a stack started by `kvpop up`"),
-    "generate": ("kvpop.client", "stream a completion from a running gateway"),
+    "up": ("kvpop.stack.up", "start redis (if needed), cache-manager, compute and gateway"),
+    "down": ("kvpop.stack.down", "stop a stack started by `kvpop up`"),
+    "status": ("kvpop.stack.status", "processes, restarts and health of a stack started by `kvpop up`"),
+    "restart": ("kvpop.stack.restart", "restart one service of a stack started by `kvpop up`"),
+    "generate": ("kvpop.stack.generate", "stream a completion from a running gateway"),
     "chat": ("kvpop.chat", "chat with a running gateway in the terminal (one session, streamed)"),
-    "keys": ("kvpop.keys_cli", "make, list and revoke the gateway's API keys"),
-    "fetch-model": ("kvpop.model_store", "download a named model (smollm2-135m) into the model cache"),
-    "bench": ("kvpop.bench", "benchmarks (engine vs transformers, ...)"),
+    "keys": ("kvpop.stack.keys", "make, list and revoke the gateway's API keys"),
+    "fetch-model": ("kvpop.models.fetch", "download a named model (smollm2-135m) into the model cache"),
+    "bench": ("kvpop.bench.cli", "benchmarks (engine vs transformers, ...)"),
     "tasks": ("kvpop.tasks.cli", "print or dump reasoning-task instances"),
     "train-model": ("kvpop.training.train_model", "train the embedded default model"),
     "eval": ("kvpop.evaluation.cli", "eviction-quality evaluation of policies"),

@@ -1,7 +1,7 @@
-"""Regenerate the Python stubs in kvpop/pb/ from protos/ (`python -m kvpop.protogen`).
+"""Regenerate the Python stubs in kvpop/runtime/pb/ from protos/ (`python -m kvpop.protogen`).
 
 protoc writes `from kvpop.v1 import generate_pb2`, which would need the proto
-package tree on sys.path; we flatten the output into kvpop/pb/ and rewrite those
+package tree on sys.path; we flatten the output into kvpop/runtime/pb/ and rewrite those
 imports to package-relative ones (the TGI workaround). tests/unit/test_protos_fresh.py
 regenerates into a temp dir and fails if the committed files differ.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROTO_ROOT = REPO / "protos"
-PB_DIR = REPO / "kvpop" / "pb"
+PB_DIR = REPO / "kvpop" / "runtime" / "pb"
 
 _IMPORT = re.compile(r"^from kvpop\.v1 import (\w+_pb2)", re.M)
 

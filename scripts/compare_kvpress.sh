@@ -2,7 +2,7 @@
 # NVIDIA kvpress's presses on the same real-text prompts as `kvpop eval --suite real`,
 # on the transformers model, as the peer reference (docs/results/long-context.md).
 # kvpress pins transformers < 5.3 (the test extra takes a newer one), so it gets its
-# own venv, .venv-compare, with the `compare` extra. Arguments go to `python -m kvpop.compare_kvpress`.
+# own venv, .venv-compare, with the `compare` extra. Arguments go to `python -m kvpop.bench.compare_kvpress`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -17,4 +17,4 @@ if [ ! -f .venv-compare/.installed ] || [ pyproject.toml -nt .venv-compare/.inst
   } > .venv-compare/install.log 2>&1 || { tail -40 .venv-compare/install.log >&2; exit 1; }
   touch .venv-compare/.installed
 fi
-exec .venv-compare/bin/python -m kvpop.compare_kvpress "$@"
+exec .venv-compare/bin/python -m kvpop.bench.compare_kvpress "$@"

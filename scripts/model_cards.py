@@ -40,8 +40,6 @@ def _inputs(cfg: dict) -> str:
              "key-mean norm", "block size"]
     if cfg.get("reach"):
         parts.append("reach")
-    if cfg.get("key_diff"):
-        parts.append("key difference")
     if cfg.get("cross_rows"):
         parts.append(f"the same block in every row ({cfg.get('cross_dim', 8)} numbers)")
     if cfg.get("prev_block"):

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    from kvpop.launcher import free_port as launcher_free_port   # one memory of ports handed out
+    from kvpop.stack.up import free_port as launcher_free_port   # one memory of ports handed out
     return launcher_free_port()
 
 

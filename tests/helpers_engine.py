@@ -12,7 +12,7 @@ from services.compute.engine import EngineConfig, LLMEngine
 from services.compute.model import TransformerModel
 from services.compute.model_config import ModelConfig
 
-VOCAB = 259  # the placeholder's byte-level tokenizer (kvpop.default_model)
+VOCAB = 259  # the placeholder's byte-level tokenizer (kvpop.models.default_model)
 
 
 
@@ -47,7 +47,7 @@ def default_tokenizer():
     import tempfile
     from pathlib import Path
 
-    from kvpop.default_model import build_tokenizer
+    from kvpop.models.default_model import build_tokenizer
     from services.compute.tokenizer import Tokenizer
     folder = Path(tempfile.mkdtemp(prefix="kvpop-tok-"))
     build_tokenizer().save(str(folder / "tokenizer.json"))

@@ -7,8 +7,8 @@ import argparse
 import time
 from pathlib import Path
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
-from kvpop.model_store import estimator_arg, model_arg
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.models.fetch import estimator_arg, model_arg
 
 DEFAULT_POLICIES = "dense,oracle,streaming,random,knorm,keydiff,h2o,tova,snapkv,learned"
 DEFAULT_COMPRESSION = "0.5,0.75,0.875,0.9375"
@@ -96,7 +96,7 @@ def run(args) -> int:
 
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Harness, Setting
-    from kvpop.tasks import FAMILIES as TASK_FAMILIES
+    from kvpop.tasks.suite import FAMILIES as TASK_FAMILIES
     from services.compute.engine import EngineConfig, LLMEngine
     from services.compute.policies import POLICY_NAMES
 
@@ -112,7 +112,7 @@ def run(args) -> int:
         print(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(known)}")
         return 2
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    from kvpop.config import MAX_PREFILL_ALLOWANCE
+    from kvpop.runtime.config import MAX_PREFILL_ALLOWANCE
     from kvpop.evaluation.harness import after_prompt, policy_spec, prefill_allowance
     try:
         unknown = [p for p in policies if policy_spec(p)[0] not in POLICY_NAMES and p != "oracle"]
@@ -170,7 +170,7 @@ def run(args) -> int:
     longest = max(len(i.prompt_ids) + len(i.solution_ids) for i in instances) + 64
     # No cleanup: a request that does not fit the pool waits; it never
     # shrinks running budgets (cleanup would silently evaluate a higher compression
-    # than asked: on SmolLM2, 90 rows fill the default pool and it did).
+    # than asked; a shrunk budget fails the run below).
     engine = LLMEngine(EngineConfig(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                     max_model_len=max(4096, longest), prefill_chunk=args.prefill_chunk,
                                     cleanup_threshold=float("inf"), plan_interval=args.plan_interval,
@@ -188,16 +188,18 @@ def run(args) -> int:
     rest = harness.run(settings, instances, desc="policies", reference=reference if forcing else None,
                        forcing=forcing)
     rows = report.records(dense + rest, families)
+    decisions = {f"{p}@{c}": d for (p, c), d in sorted(harness.decisions.items()) if d.get("evicted")}
     if engine.scheduler.budget_shrinks:
         raise RuntimeError(f"{engine.scheduler.budget_shrinks} budgets were shrunk: not the compressions asked for")
     meta = {"model": str(model_dir), "suite": args.suite, "kl": forcing, "n_per_family": n, "lengths": [lo, hi],
             "seed": _seed_meta(args.seed),
             "device": device, "block_size": args.block_size, "plan_interval": args.plan_interval,
             "prefill_chunk": args.prefill_chunk, "sink": args.sink, "recent": args.recent, **_question_meta(args),
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1), "decisions": decisions}
     out = Path(args.out)
     report.write(rows, families, out, meta, dense + rest)
     print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
+    print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
           f"in {meta['seconds']} s")
     return 0
@@ -231,6 +233,13 @@ def test_instances(args, families: list[str]):
             n, lo, hi = 1, args.min_len or 448, args.max_len or 520
         one_seed = lambda s: suite.test_set(n, families, s, lo, hi)
     return [i for s in args.seed for i in one_seed(s)], lo, hi, n * len(args.seed)
+
+
+def print_network_share(decisions: dict) -> None:
+    for key, d in decisions.items():
+        if key.startswith("learned"):
+            print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
+                  f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
 
 
 def run_via(args, policies: list[str], comps: list[float], families: list[str]) -> int:
@@ -274,10 +283,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     out = Path(args.out)
     report.write(rows, families, out, meta, outcomes)
     print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
-    for key, d in decisions.items():
-        if key.startswith("learned"):
-            print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
-                  f"({100 * d['network'] / d['evicted']:.2f}%), fallback {d['fallback']}")
+    print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
     if failed:
         print(f"{len(failed)} of {len(outcomes)} requests failed and count as wrong answers:")

@@ -111,6 +111,16 @@ def record_kv(o: Outcome, usage, rows: int, block_size: int, block_bytes: int) -
         o.peak_bytes = usage.kv_blocks_peak * block_bytes
 
 
+def count_decisions(decisions: dict, o: Outcome, usage) -> None:
+    """Adds a finished request's evicted blocks, by who ranked them, to its setting's counts."""
+    if usage is None:
+        return
+    d = decisions.setdefault((o.setting.policy, o.setting.compression), {})
+    for k, v in (("evicted", usage.kv_blocks_evicted), ("network", usage.network_evictions),
+                 ("advisor_heuristic", usage.advisor_heuristic_evictions), ("fallback", usage.fallback_evictions)):
+        d[k] = d.get(k, 0) + v
+
+
 def budget_tokens(inst: Instance, compression: float, minimum: int) -> int:
     """Compression = 1 - budget / sequence length (prompt + reference solution)."""
     total = len(inst.prompt_ids) + len(inst.solution_ids)
@@ -130,6 +140,7 @@ class Harness:
         m = engine.model
         self.rows = m.config.num_layers * m.config.num_kv_heads
         self.block_bytes = KVPool.page_bytes(block_size, m.config.head_dim, m.dtype)
+        self.decisions: dict[tuple[str, float], dict[str, int]] = {}
 
     def _answer_attention(self, inst):
         """The oracle's view of the future, one dense forward per instance."""
@@ -204,6 +215,7 @@ class Harness:
                     o.generated = len(toks)
                     o.correct = is_correct(inst, o.text)
                     record_kv(o, out.usage, self.rows, self.bs, self.block_bytes)
+                    count_decisions(self.decisions, o, out.usage)
         bar.close()
         return outcomes
 

@@ -14,15 +14,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import grpc
 from tqdm import tqdm
 
-from kvpop.evaluation.harness import (Outcome, Setting, budget_tokens, policy_spec, recent_tokens, record_kv,
-                                      set_protocol)
+from kvpop.evaluation.harness import (Outcome, Setting, budget_tokens, count_decisions, policy_spec, recent_tokens,
+                                      record_kv, set_protocol)
 from kvpop.tasks.checker import is_correct
 
 
 class ServedHarness:
     def __init__(self, address: str, sink: int = 4, recent: int = 8, margin: int = 16, concurrency: int = 16,
                  timeout: float = 600.0):
-        from kvpop.pb import generate_pb2, generate_pb2_grpc
+        from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
         from services.compute.budget import min_budget_blocks
 
         self.pb = generate_pb2
@@ -74,13 +74,8 @@ class ServedHarness:
         o.generated = ids
         o.correct = is_correct(o.instance, o.text)
         record_kv(o, usage, self.rows, self.bs, self.block_bytes)
-        if usage is not None:
-            with self._lock:
-                d = self.decisions.setdefault((o.setting.policy, o.setting.compression), {})
-                for k, v in (("evicted", usage.kv_blocks_evicted), ("network", usage.network_evictions),
-                             ("advisor_heuristic", usage.advisor_heuristic_evictions),
-                             ("fallback", usage.fallback_evictions)):
-                    d[k] = d.get(k, 0) + v
+        with self._lock:
+            count_decisions(self.decisions, o, usage)
 
     def run(self, settings: list[Setting], instances, desc: str = "eval via gateway", reference=None) -> list[Outcome]:
         outcomes = [Outcome(s, inst) for s in settings for inst in instances]

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from kvpop.tasks import TRAIN_SEEDS, generate
+from kvpop.tasks.suite import TRAIN_SEEDS, generate
 from kvpop.tasks.instance import Instance
 from kvpop.tasks.vocab import BOS_ID, EOS_ID, KEYS, LABELS, NUMBERS, PAD_ID, VOCAB, encode_words
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpop.config import PREFILL_CHUNK
+from kvpop.runtime.config import PREFILL_CHUNK
 
 
 @dataclass
@@ -245,7 +245,7 @@ def task_traces(model, n: int, cfg_choices: list[TraceConfig], seed: int = 0, mi
     """Traces of ``n`` task instances from the TRAIN seed range (every family in
     turn, or the ``families`` cycle, e.g. one with recall twice), each with one
     (block size, recent) setting drawn from ``cfg_choices``."""
-    from kvpop.tasks import FAMILIES
+    from kvpop.tasks.suite import FAMILIES
     from kvpop.tasks.vocab import EOS_ID, VOCAB
     from kvpop.training.data import train_instance
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
-from kvpop.model_store import model_arg
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.models.fetch import model_arg
 
 KEEP_FRACTIONS = (0.5, 0.25, 0.125, 0.0625)
 
@@ -73,10 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=32)
     p.add_argument("--depth", type=int, default=1, help="self-attention layers")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--need-weight", type=float, default=0.0, metavar="N",
-                   help="add N x a pairwise loss ranking the blocks the task's answer needs (the traces' "
-                        "depends: a training label, never an input) above the others, in the rows whose "
-                        "target already values them")
     p.add_argument("--pair-weight", type=float, default=1.0, metavar="P",
                    help="weight of the pairwise term beside the listwise one (it orders the tail; with a "
                         "two-valued target, e.g. an answer that is asked or not, it pulls toward the median)")
@@ -96,18 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cross-rows", action="store_true",
                    help="each block also sees a summary of its features in every row of the sequence "
                         "(with --init: added to that network, starting as it was)")
-    p.add_argument("--key-diff", action="store_true",
-                   help="the curve also weighs each block's KeyDiff score (cosine distance to the row's mean "
-                        "key) at plan time (with --init: added to that network, starting as it was)")
     p.add_argument("--reach", action="store_true",
                    help="each block also sees its reach: the peak attention its own queries paid to one block "
                         "outside their recent window (with --init: added to that network, starting as it was)")
     p.add_argument("--prev-block", action="store_true",
                    help="each block also sees the cross-row summary of the block before it (needs --cross-rows or "
                         "an --init network with it; with --init: added to that network, starting as it was)")
-    p.add_argument("--reach-skip", action="store_true",
-                   help="each row's score also gets a linear term of every row's reach for the block (needs "
-                        "--reach or an --init network with it; with --init: added at zero, starting as it was)")
     p.add_argument("--init", default=None, metavar="CHECKPOINT",
                    help="continue training from this estimator (its d_model and depth win); it is kept "
                         "unless training beats it on the held-out traces")
@@ -157,21 +147,6 @@ def needed_blocks(ex: dict, blocks) -> np.ndarray:
     if deps is None:
         return np.zeros(len(blocks), bool)
     return np.isin(blocks, np.unique(np.asarray(deps) // ex["block_size"]))
-
-
-def need_loss(scores, target, needed):
-    """scores, target [R, n], needed [n] bool -> the mean logistic loss of every
-    (needed, other) pair, over the rows whose target puts the needed blocks above
-    its median (a row that never reads them keeps its budget for what it does read)."""
-    import torch.nn.functional as F
-
-    if not needed.any() or needed.all():
-        return scores.new_zeros(())
-    pos, neg = scores[:, needed], scores[:, ~needed]                         # [R, p], [R, q]
-    rows = target[:, needed].mean(1) > target.median(1).values
-    if not rows.any():
-        return scores.new_zeros(())
-    return F.softplus(neg[rows, None, :] - pos[rows, :, None]).mean()
 
 
 def query_sample(target, gen, m: int = QUERY_SAMPLE):
@@ -230,7 +205,7 @@ def _on(device, *xs):
     return [x.to(device, non_blocking=True) for x in xs]
 
 
-def evaluate(model, data: list[dict], pair_weight: float = 1.0, need_weight: float = 0.0) -> dict:
+def evaluate(model, data: list[dict], pair_weight: float = 1.0) -> dict:
     import torch
 
     from services.cache_manager.estimator import row_ids, rows_from_arrays
@@ -250,8 +225,6 @@ def evaluate(model, data: list[dict], pair_weight: float = 1.0, need_weight: flo
                 kl, pair = losses(s, y, torch.Generator(dev).manual_seed(i))
                 total_loss += float(kl + pair_weight * pair)
                 needed = needed_blocks(ex, a["block"])
-                if need_weight:
-                    total_loss += need_weight * float(need_loss(s, y, torch.as_tensor(needed, device=dev)))
                 y = y.cpu()
                 preds = {"learned": s.cpu().numpy(), **baselines(a, now)}
                 for name, pr in preds.items():
@@ -292,28 +265,6 @@ def with_parts(net, **flags):
     return grown
 
 
-def with_key_diff(net):
-    """The same network with a KeyDiff input to its curve whose weight starts at
-    zero: it scores exactly as before until training moves that weight."""
-    import dataclasses
-
-    import torch
-
-    from services.cache_manager.estimator import ValueEstimator
-
-    grown = ValueEstimator(dataclasses.replace(net.cfg, key_diff=True))
-    state = net.state_dict()
-    last = f"out.{len(net.out) - 1}"
-    w, b = state.pop(f"{last}.weight"), state.pop(f"{last}.bias")
-    grown.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        lin = grown.out[-1]
-        lin.weight.zero_(); lin.bias.zero_()
-        lin.weight[: w.shape[0]] = w
-        lin.bias[: b.shape[0]] = b
-    return grown
-
-
 def with_reach(net):
     """The same network reading the reach column too, through a zero weight: it
     scores exactly as before until training moves that weight."""
@@ -336,7 +287,7 @@ def with_reach(net):
 # ------------------------------------------------------------------ training
 def train(model, train_data: list[dict], val_data: list[dict], minutes: float, lr: float, seed: int = 0,
           eval_every_s: float = 60.0, progress: bool = True, max_steps: int | None = None,
-          pair_weight: float = 1.0, need_weight: float = 0.0):
+          pair_weight: float = 1.0):
     """-> history: list of (step, train loss (EMA), val loss or None, val mass@k mean or None).
     Every ``eval_every_s`` the held-out loss is measured on (up to) 8 sequences
     and the best state so far is kept; the model ends in that state (the
@@ -358,7 +309,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
     history, ema, step, eval_cost = [], None, 0, 0.0
     probe, best, best_state = val_data[:8], float("inf"), None
     if probe:   # a warm start must beat where it started, not just its own later steps
-        best = evaluate(model, probe, pair_weight, need_weight)["loss"]
+        best = evaluate(model, probe, pair_weight)["loss"]
         best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     bar = tqdm(total=round(budget), desc="train-estimator", unit="s", disable=not progress,
                dynamic_ncols=True, mininterval=2, bar_format="{l_bar}{bar}| {n:.0f}/{total}s {postfix}")
@@ -378,13 +329,6 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         yq = y if q is None else y.gather(1, q)
         kl, pair = losses(s, yq, gen)
         loss = kl + pair_weight * pair
-        if need_weight:
-            nd = torch.as_tensor(needed_blocks(train_data[e], a["block"]), device=dev)
-            if q is None:
-                loss = loss + need_weight * need_loss(s, yq, nd)
-            else:   # sampled blocks differ per row: one row at a time
-                loss = loss + need_weight * sum(need_loss(s[r:r + 1], yq[r:r + 1], nd[q[r]])
-                                                for r in range(s.shape[0])) / s.shape[0]
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -395,7 +339,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
         vl = vm = None
         now_t = time.monotonic()
         if probe and now_t - last_eval >= max(eval_every_s, 3 * eval_cost):
-            ev = evaluate(model, probe, pair_weight, need_weight)
+            ev = evaluate(model, probe, pair_weight)
             eval_cost = time.monotonic() - now_t    # long traces: held-out checks stay a quarter of the time
             vl, vm = ev["loss"], ev["mass_at_k"]["learned"]["mean"]
             if vl < best:   # NaN never wins
@@ -410,7 +354,7 @@ def train(model, train_data: list[dict], val_data: list[dict], minutes: float, l
             bar.refresh()
     bar.close()
     if probe:
-        vl = evaluate(model, probe, pair_weight, need_weight)["loss"]
+        vl = evaluate(model, probe, pair_weight)["loss"]
         if best_state is not None and not vl <= best:   # worse, or diverged to NaN
             model.load_state_dict(best_state)
             print(f"kept the held-out best (loss {best:.4f} < final {vl:.4f})")
@@ -506,7 +450,7 @@ def run(args) -> int:
                 print(f"cannot trace: {e}")
                 return 2
         else:
-            from kvpop.tasks import FAMILIES
+            from kvpop.tasks.suite import FAMILIES
             fams = args.families.split(",") if args.families else None
             if fams and not set(fams) <= set(FAMILIES):
                 print(f"--families: unknown {sorted(set(fams) - set(FAMILIES))}; known: {', '.join(FAMILIES)}")
@@ -543,27 +487,22 @@ def run(args) -> int:
         if args.cross_rows and not cfg.cross_rows:
             net = with_parts(net, cross_rows=True)
             cfg = net.cfg
-        if args.key_diff and not cfg.key_diff:
-            net = with_key_diff(net)
-            cfg = net.cfg
         if args.reach and not cfg.reach:
             net = with_reach(net)
             cfg = net.cfg
-        for part, needs in (("prev_block", "--cross-rows"), ("reach_skip", "--reach")):
-            if getattr(args, part) and not getattr(cfg, part):
-                try:
-                    net = with_parts(net, **{part: True})
-                except ValueError as e:
-                    print(f"--{part.replace('_', '-')}: {e}; add {needs}")
-                    return 2
-                cfg = net.cfg
+        if args.prev_block and not cfg.prev_block:
+            try:
+                net = with_parts(net, prev_block=True)
+            except ValueError as e:
+                print(f"--prev-block: {e}; add --cross-rows")
+                return 2
+            cfg = net.cfg
     else:
         cfg = EstimatorConfig(mc.num_layers, mc.num_kv_heads, mc.head_dim, d_model=args.d_model, depth=args.depth,
-                              cross_rows=args.cross_rows, key_diff=args.key_diff, reach=args.reach,
-                              prev_block=args.prev_block, reach_skip=args.reach_skip)
+                              cross_rows=args.cross_rows, reach=args.reach, prev_block=args.prev_block)
         try:
             net = ValueEstimator(cfg)
-        except ValueError as e:   # a part without the input it reads (prev_block, reach_skip)
+        except ValueError as e:   # a part without the input it reads (prev_block)
             print(f"train-estimator: {e}")
             return 2
         prior = {}
@@ -573,16 +512,14 @@ def run(args) -> int:
           f"{sum(len(e['times']) for e in train_data)} train decisions; "
           f"estimator {sum(p.numel() for p in net.parameters())} parameters")
     history = train(net, train_data, val_data, args.minutes, args.lr, args.seed, eval_every_s=30.0,
-                    pair_weight=args.pair_weight, need_weight=args.need_weight)
-    ev = evaluate(net, val_data, args.pair_weight, args.need_weight)
+                    pair_weight=args.pair_weight)
+    ev = evaluate(net, val_data, args.pair_weight)
     cfg.trained = {"model": str(model_dir), "suite": "prompts" if args.prompts else args.suite, "traces": len(data), "steps": history[-1][0] if history else 0,
                    "minutes": args.minutes, "block_sizes": bss, "recent": recents, "horizon": args.horizon,
                    "target": args.target, "decode_only": args.decode_only, "every_step": args.every_step,
                    "prefill_chunk": args.prefill_chunk,
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight,
-                   "need_weight": args.need_weight, "cross_rows": cfg.cross_rows,
-                   "key_diff": cfg.key_diff, "reach": cfg.reach, "prev_block": cfg.prev_block,
-                   "reach_skip": cfg.reach_skip,
+                   "cross_rows": cfg.cross_rows, "reach": cfg.reach, "prev_block": cfg.prev_block,
                    "families": args.families,
                    "held_out": ev}
     if prior:

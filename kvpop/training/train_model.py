@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvpop.tasks import FAMILIES
+from kvpop.tasks.suite import FAMILIES
 from kvpop.tasks.vocab import BOS_ID, EOS_ID, WORDS, save_tokenizer
 from kvpop.training.data import COPY, make_batch
 from kvpop.training.forward import hidden_states

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import sys
 
-from kvpop.config import CacheManagerConfig
-from kvpop.grpc_server import run_service
+from kvpop.runtime.config import CacheManagerConfig
+from kvpop.runtime.grpc_server import run_service
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,12 +58,6 @@ class EstimatorConfig:
     # other rows' keys and attention can (docs/design/estimator.md, "Network").
     cross_rows: bool = False
     cross_dim: int = 8
-    # The curve also weighs each block's KeyDiff score at plan time (cosine distance of
-    # its key to the mean key of the row's known blocks), which moves as the row grows:
-    # distinctive keys (a register's commit among its many writes) are what the KeyDiff
-    # heuristic keeps. It ranks no better than the plain network (docs/design/estimator.md,
-    # "Tried and not shipped"); the shipped checkpoints have it off.
-    key_diff: bool = False
     # Each block also sees its "reach" (compute's peak block mass of the block's own
     # queries outside their recent window): a recall value that just found its key's
     # earlier mention in the question reaches far back; its neighbours do not
@@ -74,12 +68,6 @@ class EstimatorConfig:
     # more about "was this pair asked" than the value's own (docs/design/estimator.md,
     # "Network"). Needs cross_rows.
     prev_block: bool = False
-    # Each row's score also gets a linear term of every row's reach for the same block:
-    # at block size 16 the two layer-1 rows' reach alone ranks a recall question's pairs
-    # above the network itself (AUC 0.80 against 0.70). Trained with it, the weights stay
-    # small and the ranking does not move: the loss, not the input, is the limit
-    # (docs/design/estimator.md, "Tried and not shipped"); no shipped checkpoint sets it. Needs reach.
-    reach_skip: bool = False
     trained: dict = field(default_factory=dict)   # provenance + held-out metrics (informational)
 
     def to_json(self) -> str:
@@ -88,7 +76,16 @@ class EstimatorConfig:
     @classmethod
     def from_json(cls, text: str) -> "EstimatorConfig":
         d = json.loads(text)
+        unserved = sorted(k for k in RESEARCH_OPTIONS if d.get(k))
+        if unserved:
+            raise ValueError(f"a network with {', '.join(unserved)} is a research variant (research/README.md): "
+                             f"the served network has no such part")
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+# Parts of research networks (research/README.md) that a served network never has; a
+# checkpoint that sets one is refused rather than loaded without it.
+RESEARCH_OPTIONS = ("key_diff", "reach_skip")
 
 
 def reach_feature(reach: torch.Tensor) -> torch.Tensor:
@@ -115,12 +112,6 @@ def scalar_features(position, age, attention, value_norm, key_mean, block, reach
         torch.log1p(position) - torch.log1p(block),        # ~ log block size
         reach_feature(reach),
     ], -1)
-
-
-def key_diff(key_mean: torch.Tensor) -> torch.Tensor:
-    """key_mean [R, n, d] -> [R, n, 1]: 1 - cosine similarity to the row's mean key (0..2)."""
-    anchor = key_mean.mean(1, keepdim=True).expand_as(key_mean)
-    return (1.0 - F.cosine_similarity(key_mean, anchor, dim=-1))[..., None]
 
 
 def time_features(position, age, now) -> torch.Tensor:
@@ -184,17 +175,10 @@ class ValueEstimator(nn.Module):
             self.prev_out = nn.Linear(cfg.num_layers * cfg.num_kv_heads * cfg.cross_dim, D)
             nn.init.zeros_(self.prev_out.weight)
             nn.init.zeros_(self.prev_out.bias)
-        if cfg.reach_skip:
-            if not cfg.reach:
-                raise ValueError("reach_skip needs reach (it reads the reach column)")
-            R = cfg.num_layers * cfg.num_kv_heads
-            self.reach_skip = nn.Linear(R, R)
-            nn.init.zeros_(self.reach_skip.weight)
-            nn.init.zeros_(self.reach_skip.bias)
         self.blocks = nn.ModuleList(_Block(D, cfg.n_heads) for _ in range(cfg.depth))
         # Per block: a bias and one coefficient per time feature (a learned decay curve).
         self.out = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.SiLU(),
-                                 nn.Linear(D, 1 + N_TIME + int(cfg.key_diff)))
+                                 nn.Linear(D, 1 + N_TIME))
 
     # ------------------------------------------------------------ pieces
     def embed(self, key_mean, scalars, layer, head, context: int = 0) -> torch.Tensor:
@@ -219,24 +203,11 @@ class ValueEstimator(nn.Module):
         return h[:, context:]
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.out(hidden)                                             # [R, n, 1 + N_TIME (+ 1)]
+        return self.out(hidden)                                             # [R, n, 1 + N_TIME]
 
     @staticmethod
     def apply_curve(curve: torch.Tensor, tfeat: torch.Tensor) -> torch.Tensor:
         return curve[..., 0] + (curve[..., 1:] * tfeat).sum(-1)
-
-    def plan_features(self, tfeat: torch.Tensor, key_mean: torch.Tensor) -> torch.Tensor:
-        """Time features [R or 1, n, N_TIME] -> what the curve takes [R, n, C - 1]: with
-        key_diff, each block's KeyDiff score over every known block of its row appended."""
-        if not self.cfg.key_diff:
-            return tfeat
-        kd = key_diff(key_mean)
-        return torch.cat([tfeat.expand(kd.shape[0], -1, -1), kd], -1)
-
-    def skip(self, reach: torch.Tensor) -> torch.Tensor:
-        """The reach column [R, n] of every row of one sequence -> [R, n] added to the
-        scores (reach_skip networks). Per block, so it needs no cache to stay exact."""
-        return self.reach_skip(reach.T).T
 
     # ------------------------------------------------------------ full pass
     def forward(self, key_mean, scalars, tfeat, layer, head, mask=None, queries=None) -> torch.Tensor:
@@ -246,7 +217,6 @@ class ValueEstimator(nn.Module):
         every block still a key -> [R, m]. What a long trace's training step
         can afford (O(m n), not O(n^2)), and what serving computes for the
         blocks a row still holds."""
-        tfeat = self.plan_features(tfeat, key_mean)
         h = self.embed(key_mean, scalars, layer, head)
         if queries is not None:
             if len(self.blocks) != 1:
@@ -262,9 +232,6 @@ class ValueEstimator(nn.Module):
             for blk in self.blocks:
                 h = blk(h, *blk.project(h), mask)
             score = self.apply_curve(self.curve(h), tfeat)
-        if self.cfg.reach_skip:
-            skip = self.skip(scalars[..., N_SCALARS])
-            score = score + (skip if queries is None else skip.gather(1, queries))
         return score
 
 
@@ -356,22 +323,9 @@ class LearnedScorer:
         self.rescore_every = max(1, model.cfg.rescore_every)
         self.live = live and model.cfg.depth == 1
 
-    def _times(self, a: dict) -> torch.Tensor:
-        tf = block_times(a)[None]                                          # [1, n, T], same for every row
-        if not self.model.cfg.key_diff:
-            return tf
-        km = torch.as_tensor(np.asarray(a["key_mean"]), dtype=torch.float32)
-        n, L, H, d = km.shape
-        return self.model.plan_features(tf, km.permute(1, 2, 0, 3).reshape(L * H, n, d))
-
-    def _skip(self, a: dict) -> torch.Tensor | float:
-        """The reach skip of every known block, from its reach alone: no other feature
-        is recomputed on the scoring stream."""
-        if not self.model.cfg.reach_skip:
-            return 0.0
-        n, L, H = np.shape(a["attention"])
-        reach = torch.as_tensor(np.asarray(a["reach"]), dtype=torch.float32) if "reach" in a else torch.zeros(n, L, H)
-        return self.model.skip(reach_feature(reach.permute(1, 2, 0).reshape(L * H, n)))
+    @staticmethod
+    def _times(a: dict) -> torch.Tensor:
+        return block_times(a)[None]                                        # [1, n, T], same for every row
 
     def compatible(self, L: int, H: int, d: int) -> bool:
         c = self.model.cfg
@@ -399,7 +353,7 @@ class LearnedScorer:
             ctx = int(self.model.cfg.prev_block and have > 0)
             live.update(*block_inputs(a, have - ctx), gone_rows(a), context=ctx)
             c["n"] = n
-            s = self.model.apply_curve(live.curves(), self._times(a)) + self._skip(a)   # [R, n]
+            s = self.model.apply_curve(live.curves(), self._times(a))   # [R, n]
             return s.view(L, H, n).permute(2, 0, 1).numpy()
         if not have or n - c["fresh"] >= self.rescore_every:
             # Full pass: every block attends over every other.
@@ -420,5 +374,5 @@ class LearnedScorer:
                 c["kv"][i] = (torch.cat([c["kv"][i][0], k], 2), torch.cat([c["kv"][i][1], v], 2))
                 h = blk(h, *c["kv"][i])
             c.update(n=n, curve=torch.cat([c["curve"], self.model.curve(h)], 1))
-        s = self.model.apply_curve(c["curve"], self._times(a)) + self._skip(a)   # [R, n]
+        s = self.model.apply_curve(c["curve"], self._times(a))   # [R, n]
         return s.view(L, H, n).permute(2, 0, 1).numpy()

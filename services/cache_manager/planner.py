@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 from services.cache_manager.heuristic import AttentionPerAge, plan
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
 

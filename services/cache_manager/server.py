@@ -20,13 +20,13 @@ from typing import AsyncIterator
 
 import grpc
 
-from kvpop import telemetry
-from kvpop.arrays import from_float_array, from_int_array, to_int_array
-from kvpop.config import CacheManagerConfig
-from kvpop.grpc_server import GrpcService
-from kvpop.metrics import get_metrics
-from kvpop.pb import cache_manager_pb2 as pb
-from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
+from kvpop.runtime import telemetry
+from kvpop.runtime.arrays import from_float_array, from_int_array, to_int_array
+from kvpop.runtime.config import CacheManagerConfig
+from kvpop.runtime.grpc_server import GrpcService
+from kvpop.runtime.metrics import get_metrics
+from kvpop.runtime.pb import cache_manager_pb2 as pb
+from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord
 

@@ -20,11 +20,11 @@ from collections import deque
 import grpc
 import torch
 
-from kvpop import security
-from kvpop.metrics import get_metrics
-from kvpop.arrays import from_int_array, to_float_array, to_int_array
-from kvpop.pb import cache_manager_pb2 as pb
-from kvpop.pb import cache_manager_pb2_grpc as pb_grpc
+from kvpop.runtime import security
+from kvpop.runtime.metrics import get_metrics
+from kvpop.runtime.arrays import from_int_array, to_float_array, to_int_array
+from kvpop.runtime.pb import cache_manager_pb2 as pb
+from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc
 from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, PlanMailbox
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpop.config import MAX_PREFILL_ALLOWANCE
+from kvpop.runtime.config import MAX_PREFILL_ALLOWANCE
 from services.compute.policies import LEARNED, POLICY_NAMES
 from services.compute.sequence import EvictionState
 

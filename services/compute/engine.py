@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from kvpop.config import PLAN_INTERVAL, PREFILL_CHUNK
+from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
 from services.compute import detokenize
 from services.compute.advisor import FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
 from services.compute.budget import EvictionParams, resolve_eviction
@@ -59,14 +59,14 @@ class EngineConfig:
     prefill_headroom_chunks: int = 2      # prefill overshoot all budgeted sequences share (scheduler.py)
     # Decode: blocks a learned sequence may run over while its plan comes. Small
     # on purpose: a sequence held for its plan is the back-pressure that keeps
-    # compute from outrunning the cache-manager (with 16 tokens of slack at block
-    # size 1 under load, only 16-75% of evictions are network-ranked, not 100%).
+    # compute from outrunning the cache-manager, so under load the network still
+    # ranks every eviction (more slack lets the fallback rank the overrun).
     plan_slack_blocks: int = 2
     plan_wait_s: float = 2.0              # most a learned sequence is held for a plan before the fallback
     # Decode: features go to the advisor (and a plan comes back) once this many tokens'
-    # blocks have left the recent window; prompt chunk ends always send. At block size 1
-    # a plan per token made the cache-manager the bottleneck under load; the plan in hand
-    # ranks every older block, and the blocks not yet sent are kept until the next one.
+    # blocks have left the recent window; prompt chunk ends always send. A plan per token
+    # would make the cache-manager the bottleneck at block size 1 under load; the plan in
+    # hand ranks every older block, and the blocks not yet sent are kept until the next one.
     plan_interval: int = PLAN_INTERVAL
     # Decode rounds: False (default) holds the sequence for its plan as prefill does, so
     # served evictions are exactly the in-process ones (deterministic: the eval measures

@@ -126,7 +126,7 @@ def save_model(model: TransformerModel, model_dir: str | Path, tokenizer_json_pa
     hf = cfg.to_hf()
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     # Whatever we save is, by construction, not the untouched random placeholder
-    # (kvpop.default_model re-adds the marker after saving it).
+    # (kvpop.models.default_model re-adds the marker after saving it).
     hf.pop("kvpop_placeholder", None)
     hf.pop("kvpop_placeholder_seed", None)
     (model_dir / "config.json").write_text(json.dumps(hf, indent=2) + "\n")

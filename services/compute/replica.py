@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from typing import Callable, Mapping
 
-from kvpop.prewarm import PrewarmCounter, PrewarmEntry
-from kvpop.redis_client import RedisUnavailable, connect
-from kvpop.registry import Heartbeat, Replica, ReplicaRegistry
+from kvpop.runtime.prewarm import PrewarmCounter, PrewarmEntry
+from kvpop.runtime.redis_client import RedisUnavailable, connect
+from kvpop.runtime.replica_registry import Heartbeat, Replica, ReplicaRegistry
 
 log = logging.getLogger(__name__)
 

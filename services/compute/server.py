@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 from opentelemetry import trace
 
-from kvpop import telemetry
-from kvpop.config import ComputeConfig
-from kvpop.grpc_server import GrpcService
-from kvpop.metrics import EngineStatsRefresher, get_metrics
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
+from kvpop.runtime import telemetry
+from kvpop.runtime.config import ComputeConfig
+from kvpop.runtime.grpc_server import GrpcService
+from kvpop.runtime.metrics import EngineStatsRefresher, get_metrics
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2
 
 log = logging.getLogger(__name__)
 _tracer = telemetry.tracer(__name__)
@@ -38,8 +38,6 @@ HEALTH_ADVISOR = "kvpop.compute.advisor"
 HEALTH_REDIS = "kvpop.compute.redis"
 WATCH_PERIOD_S = 0.1
 
-_FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
-           "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}
 
 
 def resolve_dtype_name(dtype: str, device: str) -> str:
@@ -251,145 +249,130 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
         except ValueError as e:     # no chat template, or the template refused the conversation
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    async def _generate(self, request):
-        from services.compute.async_engine import EngineError
-        from services.compute.engine import EvictionParams, SamplingParams
-        from services.compute.session_cache import SessionNotParked
-
-        eng = self.engine.engine
-        sid = request.session_id or None
+    async def _prompt(self, request, sid: str | None) -> tuple[list[int], int, list[int]]:
+        """(stored history re-prefilled, tokens parked for the session here, this turn's
+        tokens). A re-prefill replaces whatever KV this replica parked for the session;
+        a parked session continues after its tokens, so its turn gets no second BOS."""
         history = list(request.history_token_ids) if sid else []
         if sid and (request.prompt_token_ids or history):
-            # A re-prefill from the stored history replaces whatever KV this replica parked.
             await asyncio.to_thread(self.engine.drop_session, sid)
-        # A parked session continues after `held` tokens: the turn's text gets no second BOS.
         fresh = not sid or request.prompt_token_ids or history
         held = 0 if fresh else await asyncio.to_thread(self.engine.session_tokens, sid)
         if request.continue_session and not fresh and not held:
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"session {sid!r} has no KV parked on replica {self.replica_id} "
-                                "(expired or dropped): re-prefill it from its history")
+                          f"session {sid!r} has no KV parked on replica {self.replica_id} "
+                          "(expired or dropped): re-prefill it from its history")
         if request.messages:
             turn = self._chat_turn(request, continues=bool(held or history))
         else:
-            turn = list(request.prompt_token_ids) or eng.tokenizer.encode(request.prompt,
-                                                                         add_bos=not (held or history))
-        ids = history + turn
-        limit = eng.max_model_len
-        if held + len(ids) >= limit:
+            turn = list(request.prompt_token_ids) or self.engine.engine.tokenizer.encode(
+                request.prompt, add_bos=not (held or history))
+        limit = self.engine.engine.max_model_len
+        n = len(history) + len(turn)
+        if held + n >= limit:
             raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"prompt is {len(ids)} tokens after a session context of {held}; "
-                                f"the model's max length is {limit}" if held else
-                                f"prompt is {len(ids)} tokens; the model's max length is {limit}")
-        s = request.sampling
-        sampling = SamplingParams(
-            # Room left in the model's length ends the stream with "length", not an error.
-            max_tokens=max(1, min(s.max_tokens, limit - held - len(ids))), temperature=s.temperature, top_p=s.top_p,
-            top_k=s.top_k, seed=s.seed if s.has_seed else None, repetition_penalty=s.repetition_penalty,
-            stop=tuple(s.stop), ignore_eos=s.ignore_eos, logprobs=s.logprobs,
-            # Tokenized as a continuation: if the session expires before admission, fail, never start fresh.
-            resume_session=held > 0)
-        ev = request.eviction
-        which = ev.WhichOneof("budget")
-        budget = ev.budget_tokens if which == "budget_tokens" else ev.budget_fraction if which else None
-        eviction = EvictionParams(policy=ev.policy or "dense", budget=budget,
-                                  sink=ev.sink_tokens if ev.HasField("sink_tokens") else EvictionParams.sink,
-                                  recent=ev.recent_tokens if ev.HasField("recent_tokens") else EvictionParams.recent,
-                                  after_prompt=ev.evict_after_prompt,
-                                  prefill_allowance=ev.prefill_allowance or EvictionParams.prefill_allowance)
-        rid = request.request_id
-        span = trace.get_current_span()
-        span.set_attribute("kvpop.request_id", rid)
-        span.set_attribute("kvpop.prompt_tokens", len(ids))
-        span.set_attribute("kvpop.policy", eviction.policy)
-        span.set_attribute("kvpop.session_context_tokens", held)
-        # When the budget holds decides the request's peak: visible beside kvpop.kv_blocks_peak.
-        span.set_attribute("kvpop.budget_holds", "after_prompt" if eviction.after_prompt else
-                           f"prefill_x{eviction.prefill_allowance:g}" if eviction.prefill_allowance > 1 else "prefill")
+                          f"prompt is {n} tokens after a session context of {held}; the model's max length is "
+                          f"{limit}" if held else f"prompt is {n} tokens; the model's max length is {limit}")
+        return history, held, turn
+
+    def _refusal_for(self, e: Exception) -> Refusal:
+        """The status of an engine error: a session gone from this replica, a request
+        the engine refused, or the engine shutting down (try elsewhere) or failing."""
+        from services.compute.async_engine import EngineError
+        from services.compute.session_cache import SessionNotParked
+
+        if isinstance(e, SessionNotParked):
+            return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{e} (replica {self.replica_id}): re-prefill it from its history")
+        if isinstance(e, EngineError):
+            return Refusal(grpc.StatusCode.UNAVAILABLE if "shut" in str(e) else grpc.StatusCode.INTERNAL, str(e))
+        return Refusal(grpc.StatusCode.ALREADY_EXISTS if "already running" in str(e)
+                       else grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _generate(self, request):
+        from services.compute import convert
+        from services.compute.async_engine import EngineError
+        from services.compute.session_cache import SessionNotParked
+
+        rid, sid = request.request_id, request.session_id or None
+        history, held, turn = await self._prompt(request, sid)
+        ids = history + turn
+        sampling = convert.sampling_params(request.sampling, self.engine.engine.max_model_len - held - len(ids),
+                                           resume_session=held > 0)
+        eviction = convert.eviction_params(request.eviction)
+        span = RequestSpan(trace.get_current_span(), rid, len(ids), eviction, held)
         advised = self.advisor is not None and eviction.policy == "learned"
         if advised:
             self.advisor.set_context(rid, telemetry.inject())
         stream = self.engine.generate_batches(rid, ids, sampling, eviction, session_id=sid)
-        first = True
         timer = get_metrics().request()
-        events = 0
         try:
-            # One message per batch of outputs: when this loop lags the engine
-            # (many streams), several tokens share one message instead of each
-            # paying for a message of its own.
             async for batch in stream:
-                resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
-                if first:
-                    resp.prompt_token_ids.extend(turn)
-                    first = False
-                chunk, text, last = resp.response.chunk, [], batch[-1]
-                for out in batch:
-                    for r in out.rounds:
-                        # Bounded: a long token-level stream has a round per token.
-                        if events < MAX_ROUND_EVENTS:
-                            span.add_event("eviction_round", r)
-                        events += 1
-                    if out.token_id is not None:
-                        timer.token()
-                        chunk.token_ids.append(out.token_id)
-                        if s.logprobs and out.logprob is not None:
-                            chunk.logprobs.append(float(out.logprob))
-                    text.append(out.text_delta)
-                chunk.text = "".join(text)
-                if not chunk.token_ids and not chunk.text:
-                    resp.response.ClearField("chunk")
+                resp = convert.chunk(rid, batch, sampling.logprobs)
+                if turn is not None:
+                    resp.prompt_token_ids.extend(turn)     # on the first message only
+                    turn = None
+                span.rounds(batch)
+                for _ in range(len(resp.response.chunk.token_ids)):
+                    timer.token()
+                last = batch[-1]
                 if not last.finished:
                     yield resp
                     continue
                 timer.finish(last.finish_reason or "")
                 if resp.response.HasField("chunk"):
                     yield resp
-                    resp = compute_pb2.ComputeResponse(response=generate_pb2.GenerateResponse(request_id=rid))
+                    resp = convert.response(rid)
                 if last.finish_reason == "error":
                     raise Refusal(grpc.StatusCode.INTERNAL, "the engine failed on this request")
-                r = resp.response
-                reason = last.finish_reason or ""
-                if reason == "stop" and last.token_id in eng.eos_ids and not s.ignore_eos:
-                    reason = "eos"
-                r.finished.finish_reason = _FINISH.get(reason, generate_pb2.FINISH_REASON_UNSPECIFIED)
-                r.finished.finish_reason_text = reason
-                u = last.usage
-                if u is not None:
-                    r.finished.usage.CopyFrom(generate_pb2.Usage(
-                        prompt_tokens=u.prompt_tokens - len(history), completion_tokens=u.completion_tokens,
-                        kv_blocks_resident=u.kv_blocks_resident, kv_blocks_evicted=u.kv_blocks_evicted,
-                        policy=u.policy, fallback_evictions=u.fallback_evictions,
-                        session_resumed=u.session_tokens > 0, reprefilled_tokens=len(history),
-                        network_evictions=u.network_evictions,
-                        advisor_heuristic_evictions=u.advisor_heuristic_evictions,
-                        fallback_reasons=u.fallback_reasons, kv_blocks_peak=u.kv_blocks_peak))
-                    span.set_attribute("kvpop.eviction_rounds", events)
-                    span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
-                    span.set_attribute("kvpop.kv_blocks_peak", u.kv_blocks_peak)
-                    get_metrics().kv_peak.labels(policy=u.policy).observe(u.kv_blocks_peak)
-                    if u.policy == "learned":
-                        span.set_attribute("kvpop.network_evictions", u.network_evictions)
-                        span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)
+                reason = convert.finish_reason(last, self.engine.engine.eos_ids, sampling.ignore_eos)
+                convert.finish(resp, reason, last.usage, reprefilled=len(history))
+                span.usage(last.usage)
                 yield resp
-        except SessionNotParked as e:
-            timer.fail("FAILED_PRECONDITION")
-            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{e} (replica {self.replica_id}): re-prefill it from its history")
-        except ValueError as e:
-            code = grpc.StatusCode.ALREADY_EXISTS if "already running" in str(e) else grpc.StatusCode.INVALID_ARGUMENT
-            timer.fail(code.name)
-            raise Refusal(code, str(e))
-        except EngineError as e:
-            # Shutting down: try elsewhere (UNAVAILABLE); a failed step is this server's fault (INTERNAL).
-            code = grpc.StatusCode.UNAVAILABLE if "shut" in str(e) else grpc.StatusCode.INTERNAL
-            timer.fail(code.name)
-            raise Refusal(code, str(e))
+        except (SessionNotParked, ValueError, EngineError) as e:
+            refusal = self._refusal_for(e)
+            timer.fail(refusal.code.name)
+            raise refusal from None
         finally:
             timer.fail("cancelled")     # no-op when the stream finished
             # Closing the engine stream early aborts the sequence (pages freed next step).
             await stream.aclose()
             if advised:
                 self.advisor.forget(rid)
+
+
+class RequestSpan:
+    """A request's span attributes and eviction-round events (bounded: a long
+    token-level stream has a round per token), and its KV peak in /metrics."""
+
+    def __init__(self, span, rid: str, prompt_tokens: int, eviction, held: int):
+        from services.compute.convert import budget_holds
+
+        self.span, self.events = span, 0
+        span.set_attribute("kvpop.request_id", rid)
+        span.set_attribute("kvpop.prompt_tokens", prompt_tokens)
+        span.set_attribute("kvpop.policy", eviction.policy)
+        span.set_attribute("kvpop.session_context_tokens", held)
+        # When the budget holds decides the request's peak: visible beside kvpop.kv_blocks_peak.
+        span.set_attribute("kvpop.budget_holds", budget_holds(eviction))
+
+    def rounds(self, batch) -> None:
+        for out in batch:
+            for r in out.rounds:
+                if self.events < MAX_ROUND_EVENTS:
+                    self.span.add_event("eviction_round", r)
+                self.events += 1
+
+    def usage(self, u) -> None:
+        if u is None:
+            return
+        self.span.set_attribute("kvpop.eviction_rounds", self.events)
+        self.span.set_attribute("kvpop.evicted_blocks", u.kv_blocks_evicted)
+        self.span.set_attribute("kvpop.kv_blocks_peak", u.kv_blocks_peak)
+        get_metrics().kv_peak.labels(policy=u.policy).observe(u.kv_blocks_peak)
+        if u.policy == "learned":
+            self.span.set_attribute("kvpop.network_evictions", u.network_evictions)
+            self.span.set_attribute("kvpop.fallback_evictions", u.fallback_evictions)
 
 
 class ComputeApp:

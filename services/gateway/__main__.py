@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import sys
 
-from kvpop.config import GatewayConfig
-from kvpop.grpc_server import run_service
+from kvpop.runtime.config import GatewayConfig
+from kvpop.runtime.grpc_server import run_service
 
 
 def public_access(cfg: GatewayConfig):
     """The public port's TLS (KVPOP_PUBLIC_TLS_*) and API-key check (KVPOP_API_KEYS*)."""
-    from kvpop.security import SecurityConfig
+    from kvpop.runtime.security import SecurityConfig
     from services.gateway.apikeys import KeyRing
     from services.gateway.auth import ApiKeyInterceptor
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvpop.config import GatewayConfig
-from kvpop.pb import compute_pb2
+from kvpop.runtime.config import GatewayConfig
+from kvpop.runtime.pb import compute_pb2
 from services.gateway.apikeys import ApiKey
 from services.gateway.key_metrics import key_metrics
 from services.gateway.limits import StreamLimiter, client_key

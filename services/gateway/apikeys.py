@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpop.config import ConfigError
+from kvpop.runtime.config import ConfigError
 
 log = logging.getLogger(__name__)
 

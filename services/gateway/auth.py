@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 from opentelemetry import trace
 
-from kvpop.security import refusing
+from kvpop.runtime.security import refusing
 from services.gateway.apikeys import ApiKey, KeyRing
 
 CALLER: contextvars.ContextVar[ApiKey | None] = contextvars.ContextVar("kvpop_api_caller", default=None)

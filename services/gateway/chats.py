@@ -1,6 +1,6 @@
 """Chat sessions: a session whose turns are chat messages.
 
-Redis holds every turn's new messages and the assistant's reply (kvpop/store.py),
+Redis holds every turn's new messages and the assistant's reply (kvpop/runtime/session_store.py),
 so each turn the gateway hands compute the conversation so far
 (`chat_history`) with only the turn's new messages: compute renders the
 template's difference between the two and appends it to the session's KV, or
@@ -10,8 +10,8 @@ the session already holds is recognised and skipped.
 """
 from __future__ import annotations
 
-from kvpop.pb import compute_pb2, generate_pb2
-from kvpop.store import Session, Turn
+from kvpop.runtime.pb import compute_pb2, generate_pb2
+from kvpop.runtime.session_store import Session, Turn
 from services.gateway.validation import Invalid
 
 

@@ -19,8 +19,8 @@ import logging
 
 import grpc
 
-from kvpop import telemetry
-from kvpop.pb import compute_pb2, compute_pb2_grpc
+from kvpop.runtime import telemetry
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc
 
 log = logging.getLogger(__name__)
 

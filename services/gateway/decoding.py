@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvpop.pb import generate_pb2
+from kvpop.runtime.pb import generate_pb2
 
 
 class Malformed:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-from kvpop.metrics import get_metrics
+from kvpop.runtime.metrics import get_metrics
 
 MAX_NAMES = 100
 OTHER = "other"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-from kvpop.redis_client import KEY_PREFIX, RedisUnavailable, unavailable_as
+from kvpop.runtime.redis_client import KEY_PREFIX, RedisUnavailable, unavailable_as
 
 log = logging.getLogger(__name__)
 

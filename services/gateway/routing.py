@@ -1,6 +1,6 @@
 """Which compute replica serves a request.
 
-Replicas heartbeat into the Redis registry (kvpop/registry.py); the router
+Replicas heartbeat into the Redis registry (kvpop/runtime/replica_registry.py); the router
 asks it for the least-loaded healthy replica, counting the streams this
 gateway already has open on each (heartbeats show them only later), and keeps
 a session on the replica that holds its KV. With no Redis, or no replica
@@ -36,10 +36,12 @@ from typing import AsyncIterator, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpop import security, telemetry
-from kvpop.pb import compute_pb2_grpc
-from kvpop.redis_client import RedisUnavailable
-from kvpop.registry import NoReplicaAvailable, Replica, ReplicaRegistry, choose
+from kvpop.runtime import security
+
+from kvpop.runtime import telemetry
+from kvpop.runtime.pb import compute_pb2_grpc
+from kvpop.runtime.redis_client import RedisUnavailable
+from kvpop.runtime.replica_registry import NoReplicaAvailable, Replica, ReplicaRegistry, choose
 from services.gateway.compute_mux import ComputeMux
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,7 @@ class Router:
 
     async def info(self, timeout: float = 5.0):
         """Info from the first replica that answers; the last error if none does."""
-        from kvpop.pb import compute_pb2
+        from kvpop.runtime.pb import compute_pb2
 
         tried: set[str] = set()
         last: grpc.aio.AioRpcError | None = None

@@ -28,14 +28,14 @@ from collections import OrderedDict
 
 import grpc
 
-from kvpop.config import GatewayConfig
-from kvpop.grpc_server import GrpcService
-from kvpop.metrics import get_metrics
-from kvpop.pb import compute_pb2, generate_pb2, generate_pb2_grpc
-from kvpop.prewarm import PrewarmCounter
-from kvpop.redis_client import RedisUnavailable, connect
-from kvpop.registry import NoReplicaAvailable, ReplicaRegistry
-from kvpop.store import Session, SessionStore, Turn
+from kvpop.runtime.config import GatewayConfig
+from kvpop.runtime.grpc_server import GrpcService
+from kvpop.runtime.metrics import get_metrics
+from kvpop.runtime.pb import compute_pb2, generate_pb2, generate_pb2_grpc
+from kvpop.runtime.prewarm import PrewarmCounter
+from kvpop.runtime.redis_client import RedisUnavailable, connect
+from kvpop.runtime.replica_registry import NoReplicaAvailable, ReplicaRegistry
+from kvpop.runtime.session_store import Session, SessionStore, Turn
 from services.gateway.admission import Admission, Admitted, Refused
 from services.gateway.auth import CALLER
 from services.gateway.chats import check_kind, continue_chat
@@ -44,6 +44,7 @@ from services.gateway.ownership import SessionOwners, scoped
 from services.gateway.rates import RETRY_AFTER
 from services.gateway.routing import Router
 from services.gateway.sessions import HistoryUnavailable, SessionTurn
+from services.gateway.streamed import Streamed
 from services.gateway.validation import Invalid, validate
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ MAX_OWNERS = 100_000     # sessions whose last replica this gateway remembers
 PROBE_PERIOD_S = 0.25    # compute health probes
 REDIS_PROBE_PERIOD_S = 1.0
 HEALTH_REDIS = "kvpop.gateway.redis"
-_FINISH_WORDS = {generate_pb2.FINISH_REASON_LENGTH: "length", generate_pb2.FINISH_REASON_EOS: "eos",
-                 generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_ABORTED: "aborted"}
 
 
 class GatewayServicer(generate_pb2_grpc.KVpopServicer):
@@ -159,78 +158,78 @@ class GatewayServicer(generate_pb2_grpc.KVpopServicer):
         remaining = context.time_remaining()
         if self.prewarm is not None and request.prompt:     # chats are not counted (yet)
             self._spawn(self._count_prefixes(request.prompt))
-        # The session as stored and continued: the key's own (ownership.py).
-        sid = scoped(admitted.key, request.session_id) if request.session_id else ""
-        if sid and admitted.key is not None and not await self.owners.claim(request.session_id, admitted.key):
+        sid, record, new_messages = await self._open_session(request, creq, context, timer, admitted)
+        # Moves to another replica while nothing was streamed (routing.py); a session
+        # continues its resident KV or is re-prefilled from its history (sessions.py).
+        call = SessionTurn(self.router, creq, remaining, record, self._owners.get(sid),
+                           lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
+        got = Streamed()
+        try:
+            async for resp in call:
+                n = got.add(resp)
+                if n:
+                    timer.token(n)
+                    self.admission.generated(admitted, n)
+                elif resp.response.HasField("finished"):
+                    timer.finish(got.finish, got.usage.prompt_tokens, got.usage.completion_tokens)
+                yield resp.response
+        except (asyncio.CancelledError, GeneratorExit):
+            timer.fail("cancelled")
+            raise
+        except (NoReplicaAvailable, HistoryUnavailable, grpc.aio.AioRpcError) as e:
+            code, details = self._status_for(e, call)
+            timer.fail(code.name)
+            await context.abort(code, details)
+        finally:
+            # Client cancelled or deadline hit: tell compute so it frees the sequence now.
+            await call.aclose()
+        log.info("request %s: %s, %d tokens, policy %s, %.0f ms%s", creq.request_id, got.finish or "no final message",
+                 len(got.ids), creq.eviction.policy, 1000 * (time.perf_counter() - timer.start),
+                 got.note(sid, admitted.key))
+        if sid:
+            self._turn_done(sid, call, got.turn(creq.request_id, request.prompt, new_messages), creq.eviction)
+
+    async def _open_session(self, request, creq: compute_pb2.ComputeRequest, context, timer,
+                            admitted: Admitted) -> tuple[str, Session | None, list[dict]]:
+        """(the session id as stored: the key's own (ownership.py), its record, the chat
+        messages its turn stores); ("", None, []) without a session."""
+        if not request.session_id:
+            return "", None, []
+        sid = scoped(admitted.key, request.session_id)
+        if admitted.key is not None and not await self.owners.claim(request.session_id, admitted.key):
             self.admission.session_refused(admitted)
             timer.fail("NOT_FOUND")
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"API key {admitted.key!r} has no session {request.session_id!r}; session ids "
                                 f"are per key and this one is taken: choose another")
         creq.session_id = sid
-        record = await self._session(sid) if sid else None
-        new_messages = await self._chat_turn(request, creq, record, context, timer) if sid else []
-        # Moves to another replica while nothing was streamed (routing.py); a session
-        # continues its resident KV or is re-prefilled from its history (sessions.py).
-        call = SessionTurn(self.router, creq, remaining, record, self._owners.get(sid),
-                           lambda: self._history(sid)) if sid else self.router.open(creq, remaining)
-        text, ids, prompt_ids, finish, session = [], [], [], "", ""
-        try:
-            async for resp in call:
-                if resp.prompt_token_ids:
-                    prompt_ids = list(resp.prompt_token_ids)
-                r = resp.response
-                if r.HasField("chunk"):
-                    text.append(r.chunk.text)
-                    ids.extend(r.chunk.token_ids)
-                    timer.token(len(r.chunk.token_ids))
-                    self.admission.generated(admitted, len(r.chunk.token_ids))
-                elif r.HasField("finished"):
-                    finish = _FINISH_WORDS.get(r.finished.finish_reason, r.finished.finish_reason_text)
-                    u = r.finished.usage
-                    timer.finish(finish, u.prompt_tokens, u.completion_tokens)
-                    if sid:
-                        session = (f", session {sid} resumed" if u.session_resumed else
-                                   f", session {sid} re-prefilled {u.reprefilled_tokens} tokens"
-                                   if u.reprefilled_tokens else f", session {sid} started")
-                    if admitted.key is not None:
-                        session += f", key {admitted.key}"
-                yield r
-        except (asyncio.CancelledError, GeneratorExit):
-            timer.fail("cancelled")
-            raise
-        except NoReplicaAvailable as e:
-            timer.fail("UNAVAILABLE")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"no compute replica can take the request: {e}")
-        except HistoryUnavailable as e:
-            timer.fail("UNAVAILABLE")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        except grpc.aio.AioRpcError as e:
-            code = e.code()
-            timer.fail(code.name)
-            if code in _UNAVAILABLE:
-                self.info = None    # compute may come back with another model: ask again
-                where = call.target.address if call.target else self.cfg.compute_address
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"compute at {where} is unavailable: {e.details()}")
-            await context.abort(code, e.details() or code.name)
-        finally:
-            # Client cancelled or deadline hit: tell compute so it frees the sequence now.
-            await call.aclose()
-        log.info("request %s: %s, %d tokens, policy %s, %.0f ms%s", creq.request_id, finish or "no final message",
-                 len(ids), creq.eviction.policy, 1000 * (time.perf_counter() - timer.start), session)
-        if sid:
-            replica = call.target.replica_id if call.target and call.target.replica_id != Router.STATIC \
-                else (self.info.replica_id if self.info else "")
-            self._owners[sid] = replica
-            self._owners.move_to_end(sid)
-            if len(self._owners) > MAX_OWNERS:
-                self._owners.popitem(last=False)
-        if sid and self.store is not None:
-            turn = Turn(request_id=creq.request_id, prompt=request.prompt, completion="".join(text),
-                        prompt_token_ids=prompt_ids, completion_token_ids=ids, finish_reason=finish,
-                        messages=new_messages)
-            task = self._spawn(self._record(sid, turn, creq.eviction, replica))
+        record = await self._session(sid)
+        return sid, record, await self._chat_turn(request, creq, record, context, timer)
+
+    def _status_for(self, e: Exception, call) -> tuple[grpc.StatusCode, str]:
+        """The client's status for a stream that failed: compute's own, or UNAVAILABLE
+        (with where) when no replica could take it or the one streaming went away."""
+        if isinstance(e, NoReplicaAvailable):
+            return grpc.StatusCode.UNAVAILABLE, f"no compute replica can take the request: {e}"
+        if isinstance(e, HistoryUnavailable):
+            return grpc.StatusCode.UNAVAILABLE, str(e)
+        code = e.code()
+        if code in _UNAVAILABLE:
+            self.info = None    # compute may come back with another model: ask again
+            where = call.target.address if call.target else self.cfg.compute_address
+            return grpc.StatusCode.UNAVAILABLE, f"compute at {where} is unavailable: {e.details()}"
+        return code, e.details() or code.name
+
+    def _turn_done(self, sid: str, call, turn: Turn, ev: compute_pb2.Eviction) -> None:
+        """Remembers the replica that served the session's turn and stores the turn, off the response path."""
+        replica = call.target.replica_id if call.target and call.target.replica_id != Router.STATIC \
+            else (self.info.replica_id if self.info else "")
+        self._owners[sid] = replica
+        self._owners.move_to_end(sid)
+        if len(self._owners) > MAX_OWNERS:
+            self._owners.popitem(last=False)
+        if self.store is not None:
+            task = self._spawn(self._record(sid, turn, ev, replica))
             self._recording[sid] = task
             task.add_done_callback(lambda t: self._recording.pop(sid, None) if self._recording.get(sid) is t
                                    else None)

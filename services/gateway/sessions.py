@@ -1,6 +1,6 @@
 """One turn of a session: continue the resident KV, else re-prefill from history.
 
-The session record in Redis (kvpop/store.py) names the replica that holds the
+The session record in Redis (kvpop/runtime/session_store.py) names the replica that holds the
 session's KV. While that replica is healthy the turn goes there with
 `continue_session` and only its own tokens. Compute answers
 FAILED_PRECONDITION, before streaming anything, when it no longer holds the
@@ -23,8 +23,8 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from kvpop.pb import compute_pb2
-from kvpop.store import Session
+from kvpop.runtime.pb import compute_pb2
+from kvpop.runtime.session_store import Session
 from services.gateway.routing import RETRYABLE, RoutedStream, Router, Target
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import uuid
 
 import grpc
 
-from kvpop.config import MAX_PREFILL_ALLOWANCE, GatewayConfig
-from kvpop.pb import compute_pb2, generate_pb2
+from kvpop.runtime.config import MAX_PREFILL_ALLOWANCE, GatewayConfig
+from kvpop.runtime.pb import compute_pb2, generate_pb2
 
 MAX_STOP_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant")

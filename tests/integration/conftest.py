@@ -8,10 +8,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from kvpop.launcher import Stack, free_port, start_stack
-from kvpop.launcher_down import stop_stack
-from kvpop.pb import compute_pb2_grpc, generate_pb2_grpc
-from kvpop.security import sync_channel
+from kvpop.stack.up import Stack, free_port, start_stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.pb import compute_pb2_grpc, generate_pb2_grpc
+from kvpop.runtime.security import sync_channel
 from otlp_receiver import start_receiver
 from stack_helpers import BLOCK_SIZE, stack_env
 
@@ -29,7 +29,7 @@ def otlp():
 def placeholder_model(tmp_path_factory):
     # These tests rely on the placeholder's byte-level tokenizer (any text is
     # valid, one token per byte); models/default is the trained task model.
-    from kvpop.default_model import build_placeholder
+    from kvpop.models.default_model import build_placeholder
     return build_placeholder(tmp_path_factory.mktemp("placeholder-model"), seed=0)
 
 

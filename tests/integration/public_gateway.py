@@ -14,9 +14,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers_common import stop_processes
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT
-from kvpop.security import ENV_TOKEN_FILE
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.security import ENV_TOKEN_FILE
 
 
 class PublicGateway:
@@ -76,7 +76,7 @@ def reflected_generate(channel: grpc.Channel, fields: dict, metadata=(), timeout
 _BURST = r"""
 import json, os, queue, sys, threading
 import grpc
-from kvpop.pb import generate_pb2, generate_pb2_grpc
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 os.nice(10)     # the load generator's own CPU is not the server's: on a shared test box it yields
 address, key, width, n, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
 lock, seen, commands = threading.Lock(), {"served": 0, "refused": {}}, queue.Queue()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from helpers_common import wait_until  # noqa: F401  (re-exported)
-from kvpop.pb import compute_pb2
+from kvpop.runtime.pb import compute_pb2
 
 BLOCK_SIZE = 8
 

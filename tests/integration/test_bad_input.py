@@ -11,9 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stack_helpers import compute_info, wait_until
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import generate_pb2, generate_pb2_grpc
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 
 IA, RE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
 P = "Count: one two three"

@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from kvpop import bench_grpc
-
+from kvpop.bench import grpc_hops as bench_grpc
 pytestmark = pytest.mark.slow
 
 

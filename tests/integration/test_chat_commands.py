@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from kvpop.launcher import start_stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import REPO_ROOT as REPO
+from kvpop.stack.up import start_stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import REPO_ROOT as REPO
 from test_chat_sessions import chat_model
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,9 @@ import sys
 import grpc
 import pytest
 
-from kvpop.paths import REPO_ROOT as REPO
-from kvpop.pb import generate_pb2, generate_pb2_grpc
-from kvpop.store import session_key, turns_key
+from kvpop.runtime.paths import REPO_ROOT as REPO
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
+from kvpop.runtime.session_store import session_key, turns_key
 from helpers_common import wait_until
 from test_replicas import gateway_env, sessions_stack
 
@@ -34,7 +34,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>\n{{ m.conten
 
 
 def chat_model(folder):
-    from kvpop.default_model import build_placeholder
+    from kvpop.models.default_model import build_placeholder
 
     model = build_placeholder(folder, seed=0)
     (model / "tokenizer_config.json").write_text(json.dumps(

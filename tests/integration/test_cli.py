@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from helpers_models import save_hf_model
-from kvpop.launcher import Proc
-from kvpop.default_model import build_tokenizer
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import generate_pb2, generate_pb2_grpc
+from kvpop.stack.up import Proc
+from kvpop.models.default_model import build_tokenizer
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 
 
 def kvpop(*args, state_dir, timeout=180):

@@ -8,7 +8,7 @@ import queue
 
 import grpc
 
-from kvpop.pb import compute_pb2
+from kvpop.runtime.pb import compute_pb2
 from stack_helpers import compute_info, wait_until
 
 NEW = 40

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 
 from stack_helpers import compute_info
-from kvpop.pb import generate_pb2
+from kvpop.runtime.pb import generate_pb2
 from services.compute.engine import EngineConfig, LLMEngine, SamplingParams
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from kvpop.paths import REPO_ROOT
-from kvpop.stack import Proc, Stack
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.stack.state import Proc, Stack
 
 
 @pytest.mark.slow
@@ -33,7 +33,7 @@ def test_demo_refuses_a_stale_stack_and_names_kvpop_down(tmp_path):
 @pytest.mark.slow
 def test_demo_does_not_stream_from_a_stack_serving_another_model(tmp_path):
     from helpers_models import save_hf_model
-    from kvpop.default_model import build_tokenizer
+    from kvpop.models.default_model import build_tokenizer
 
     model = tmp_path / "qwen2"
     save_hf_model(model, "qwen2", seed=1, vocab_size=259, max_position_embeddings=1024)

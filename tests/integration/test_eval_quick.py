@@ -24,11 +24,15 @@ def test_quick_eval_writes_well_formed_results(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())
     assert rows and all(FIELDS <= set(r) for r in rows)
     families = {"registers", "arithmetic", "recall", "passkey"}
-    expected = {("dense", 0.0)} | {(p, c) for p in ("oracle", "streaming", "random", "h2o", "knorm")
+    # The default model ships its estimator: `learned` runs, on the network's plans.
+    expected = {("dense", 0.0)} | {(p, c) for p in ("oracle", "streaming", "random", "h2o", "knorm", "learned")
                                    for c in (0.75, 0.9375)}
-    if "skipping the 'learned' policy" not in proc.stdout:
-        expected |= {("learned", 0.75), ("learned", 0.9375)}
+    assert "skipping" not in proc.stdout, proc.stdout[-3000:]
     assert {(r["policy"], r["compression"]) for r in rows} == expected
+    decisions = json.loads((tmp_path / "meta.json").read_text())["decisions"]
+    for c in (0.75, 0.9375):
+        d = decisions[f"learned@{c}"]
+        assert d["evicted"] > 0 and d["network"] >= 0.99 * d["evicted"], d
     for r in rows:
         assert r["task"] in families | {"all"}
         assert r["n"] == (4 if r["task"] == "all" else 1)

@@ -13,11 +13,11 @@ import pytest
 
 from helpers_common import stop_processes
 from helpers_pki import make_pki
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT as REPO
-from kvpop.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc
-from kvpop.pb import generate_pb2, generate_pb2_grpc
-from kvpop.security import SecurityConfig, sync_channel
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT as REPO
+from kvpop.runtime.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc
+from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
+from kvpop.runtime.security import SecurityConfig, sync_channel
 
 pytestmark = pytest.mark.slow
 TOKEN = "integration-token"
@@ -32,7 +32,7 @@ def _security_env(pki, leaf="server", token=TOKEN) -> dict[str, str]:
 
 
 def _probe(address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpop.healthcheck", "--grpc", address, "--timeout", "3"],
+    return subprocess.run([sys.executable, "-m", "kvpop.runtime.healthcheck", "--grpc", address, "--timeout", "3"],
                           capture_output=True, text=True, timeout=60, env=env)
 
 

@@ -15,11 +15,11 @@ import urllib.request
 import grpc
 import pytest
 
-from kvpop.launcher import restart_service, start_stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import DEFAULT_MODEL_DIR
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
-from kvpop.security import sync_channel
+from kvpop.stack.up import restart_service, start_stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
+from kvpop.runtime.security import sync_channel
 from kvpop.tasks import suite
 from stack_helpers import wait_until
 
@@ -129,16 +129,20 @@ def test_cache_manager_killed_then_restarted(served, gateway):
     within 2 s of SERVING and the network decides again (>= 99%)."""
     wait_until(lambda: compute_info(served).advisor_connected, 30, "compute to reach the cache-manager")
     before = learned_evictions(served)
+    # network_evictions is cumulative over the stack's life: this stream's first plan is a rise from here.
+    planned_before = compute_info(served).stats.extra.get("network_evictions", 0)
     text = prompts(1, seed=13, lo=1150, hi=1250)[0]
     out: dict = {}
     t = threading.Thread(target=run, args=(gateway, text, 0.25, 400, out, "killed"))
     t.start()
-    wait_until(lambda: compute_info(served).stats.extra.get("network_evictions", 0) > 0 or not t.is_alive(), 60,
-               "the stream's first network plan")
+    wait_until(lambda: compute_info(served).stats.extra.get("network_evictions", 0) > planned_before
+               or not t.is_alive(), 60, "the stream's first network plan")
+    assert t.is_alive(), "the stream finished before the kill"
     os.killpg(served.proc("cache-manager").pid, signal.SIGKILL)
     t.join(300)
     u = out["killed"].usage
     assert u.completion_tokens == 400 and u.kv_blocks_evicted > 0, u
+    assert u.network_evictions > 0, u      # the network planned for this stream before the kill
     assert u.fallback_reasons.get("advisor_down", 0) > 0, u
     m = compute_info(served).model
     assert u.kv_blocks_resident <= (int(0.25 * (len(text.split()) + 401)) // m.block_size + 3) \

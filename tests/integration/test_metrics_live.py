@@ -11,7 +11,7 @@ import grpc
 
 from helpers_common import collect
 from stack_helpers import compute_info, wait_until
-from kvpop.pb import generate_pb2
+from kvpop.runtime.pb import generate_pb2
 
 CANCELS = 8
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers_common import collect
 from helpers_prometheus import Prometheus, dashboard_queries, hpa_queries, stack_config
-from kvpop.pb import generate_pb2
+from kvpop.runtime.pb import generate_pb2
 from stack_helpers import compute_info, wait_until
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -17,11 +18,11 @@ import grpc
 import pytest
 import redis as redis_sync
 
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT as REPO
-from kvpop.pb import compute_pb2
-from kvpop.redis_client import connect
-from kvpop.registry import ReplicaRegistry
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT as REPO
+from kvpop.runtime.pb import compute_pb2
+from kvpop.runtime.redis_client import connect
+from kvpop.runtime.replica_registry import ReplicaRegistry
 from services.gateway.routing import Router
 from helpers_common import stop_processes, wait_until
 
@@ -74,6 +75,17 @@ def request(max_tokens: int) -> compute_pb2.ComputeRequest:
         sampling=compute_pb2.Sampling(max_tokens=max_tokens, ignore_eos=True, top_p=1.0,
                                       repetition_penalty=1.0),
         eviction=compute_pb2.Eviction(policy="dense"))
+
+
+class OutageLog(logging.Handler):
+    """Counts the router's "registry unavailable" warnings: one per Redis timeout paid."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        self.count += "registry unavailable" in record.getMessage()
 
 
 async def wait_for(cond, timeout: float, what: str, step: float = 0.02) -> float:
@@ -137,16 +149,27 @@ async def _scenario(redis, reps: Replicas) -> None:
         s = router.open(request(4), timeout=60, session_replica="r-b")
         assert await drain(s) == 4 and s.target.replica_id == "r-b"
 
-    # Redis goes away: routing goes on over the replicas seen last, without
-    # paying Redis timeouts per request.
-    redis.stop()
-    for _ in range(3):
-        t0 = time.monotonic()
-        s = router.open(request(2), timeout=60)
-        assert await drain(s) == 2
-        assert time.monotonic() - t0 < 1.0
-    redis.start()
-    await wait_for(both_up, 10, "the replicas to re-register after the Redis restart")
+    # Redis stops answering (frozen: it accepts connections and never replies, the
+    # outage that costs a full timeout): routing goes on over the replicas seen
+    # last, and only the first request pays the registry's timeout. The registry
+    # would be asked on every request (refresh_s 0) but for the outage backoff,
+    # which outlasts the three requests however slow the machine.
+    router.refresh_s, router.outage_backoff_s = 0.0, 600.0
+    router._fresh_until = 0.0        # the list read last is stale: the next request asks Redis
+    outages = OutageLog()
+    logging.getLogger("services.gateway.routing").addHandler(outages)
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            s = router.open(request(2), timeout=60)
+            assert await drain(s) == 2
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+        logging.getLogger("services.gateway.routing").removeHandler(outages)
+    assert outages.count == 1, outages.count
+    router.refresh_s, router.outage_backoff_s = registry.interval_s / 10, 1.0
+    router._fresh_until = 0.0
+    await wait_for(both_up, 30, "the replicas to heartbeat again after Redis resumed")
 
     # One long stream on each replica, then r-b dies mid-stream.
     on_a = router.open(request(400), timeout=120, session_replica="r-a")
@@ -256,7 +279,7 @@ def _serving(address: str) -> bool:
 
 
 def _finished(address: str) -> float:
-    from kvpop.pb import compute_pb2_grpc
+    from kvpop.runtime.pb import compute_pb2_grpc
     with grpc.insecure_channel(address) as ch:
         info = compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
     return info.stats.extra["finished_requests"]
@@ -265,8 +288,8 @@ def _finished(address: str) -> float:
 def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_server, tmp_path):
     import json
 
-    from kvpop.pb import generate_pb2, generate_pb2_grpc
-    from kvpop.prewarm import PrewarmCounter
+    from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
+    from kvpop.runtime.prewarm import PrewarmCounter
 
     reps = Replicas(redis_server, tmp_path)
     gw_port = free_port()
@@ -318,7 +341,7 @@ def test_gateway_routes_sessions_counts_prefixes_and_survives_a_replica(redis_se
                 list(stub.Generate(gen(system + f"question {i}: what is {i} + {i}?", 2), timeout=60))
 
             async def top():
-                from kvpop.redis_client import connect as aconnect
+                from kvpop.runtime.redis_client import connect as aconnect
                 c = aconnect(redis_server.url)
                 try:
                     return await PrewarmCounter(c).top_entries(1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvpop.store import SessionStore, Turn
+from kvpop.runtime.session_store import SessionStore, Turn
 
 
 def _turn(i: int, prompt: list[int], completion: list[int]) -> Turn:

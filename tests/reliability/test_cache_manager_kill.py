@@ -11,7 +11,7 @@ import time
 import pytest
 
 from .reliability_stack import BLOCK_SIZE, request, wait_until
-from kvpop.launcher import restart_service
+from kvpop.stack.up import restart_service
 
 pytestmark = pytest.mark.slow
 

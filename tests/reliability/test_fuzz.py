@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from .reliability_stack import MAX_MODEL_LEN, collect, request, wait_until
-from kvpop.pb import generate_pb2
-from kvpop.security import SecurityConfig, sync_channel
+from kvpop.runtime.pb import generate_pb2
+from kvpop.runtime.security import SecurityConfig, sync_channel
 
 pytestmark = pytest.mark.slow
 
@@ -225,7 +225,7 @@ class GoodAlongside:
     """Runs GOOD back to back on its own connection and compares every run with the solo one."""
 
     def __init__(self, address: str, alone: list[int]):
-        from kvpop.pb import generate_pb2_grpc
+        from kvpop.runtime.pb import generate_pb2_grpc
 
         self.channel = grpc.insecure_channel(address)
         self.stub = generate_pb2_grpc.KVpopStub(self.channel)

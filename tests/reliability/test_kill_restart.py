@@ -39,12 +39,12 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .reliability_stack import BLOCK_SIZE, MAX_MODEL_LEN, clean_env, request, wait_until
-from kvpop.launcher import Stack
-from kvpop.launcher_down import stop_stack
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc, generate_pb2_grpc
-from kvpop.security import SecurityConfig, sync_channel
-from kvpop.store import turns_key
+from kvpop.stack.up import Stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc, generate_pb2_grpc
+from kvpop.runtime.security import SecurityConfig, sync_channel
+from kvpop.runtime.session_store import turns_key
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,8 @@ STREAMS = 8
 TOKENS = 96
 # The promise: back within 5 s; a machine shared with other heavy jobs may need more (the doc run says how much).
 BACK_WITHIN_S = float(os.environ.get("KVPOP_BACK_WITHIN_S", "5.0"))
-FLIP_WITHIN_S = 2.0
+# The promise: the gateway's health flips within 2 s; overridable as BACK_WITHIN_S is.
+FLIP_WITHIN_S = float(os.environ.get("KVPOP_FLIP_WITHIN_S", "2.0"))
 COMPUTE_STREAMS = 24         # KVPOP_MAX_COMPUTE_STREAMS of this stack
 SERVICES = ("cache-manager", "redis", "gateway", "compute")
 RESULTS: list[dict] = []
@@ -256,9 +257,9 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
         t.start()
     wait_until(lambda: min(progress) >= 8 or out, 120, "the streams to get going")
     victim = up.stack.reload().proc(service)
+    at_kill, finished_before_kill = list(progress), len(out)
     os.kill(victim.pid, signal.SIGKILL)
     t_kill = time.monotonic()
-    at_kill = list(progress)
     back = gw_down = gw_up = None
     while time.monotonic() - t_kill < 60 and (back is None or (service == "compute" and gw_up is None)):
         now = time.monotonic() - t_kill
@@ -311,7 +312,8 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
            "first_request_ok_s": None if first_ok is None else round(first_ok, 3),
            "gateway_not_serving_s": None if gw_down is None else round(gw_down, 3),
            "gateway_serving_after_compute_s": None if gw_up is None else round(max(0.0, gw_up - back), 3),
-           "tokens_at_kill": [min(at_kill), max(at_kill)], "streams": outcomes,
+           "tokens_at_kill": [min(at_kill), max(at_kill)], "finished_before_kill": finished_before_kill,
+           "streams": outcomes,
            "new_requests_ok": sum(v == "OK" for v in results.values()), "pages_leaked": idle - baseline,
            "session_turns_stored": [turns_stored, len(done)],
            "pool_baseline": baseline}
@@ -324,13 +326,17 @@ def kill_round(up: Up, service: str, rnd: int) -> dict:
 def test_kill_service(up, service):
     for rnd in range(ROUNDS):
         row = kill_round(up, service, rnd)
+        # The kill landed mid-stream: every stream had tokens and none had finished.
+        assert row["tokens_at_kill"][0] > 0 and row["finished_before_kill"] == 0, row
+        assert row["tokens_at_kill"][1] < TOKENS, row
         assert row["back_serving_s"] <= BACK_WITHIN_S, row
         if service in ("cache-manager", "redis"):
             # Streams that can do without it finish, all of their tokens.
             assert row["streams"] == ["OK"] * STREAMS, row
         else:
-            # Streams it carried end, with UNAVAILABLE (those already done: OK); none hangs.
-            assert set(row["streams"]) <= {"OK", "UNAVAILABLE"}, row
+            # Streams it carried end, with UNAVAILABLE (one whose last tokens were already
+            # on the wire: OK); none hangs.
+            assert set(row["streams"]) <= {"OK", "UNAVAILABLE"} and "UNAVAILABLE" in row["streams"], row
         if service == "compute":
             assert row["gateway_not_serving_s"] is not None and row["gateway_not_serving_s"] <= FLIP_WITHIN_S, row
             assert row["gateway_serving_after_compute_s"] is not None, row

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from .reliability_stack import collect, request, wait_until
-from kvpop.pb import generate_pb2_grpc
+from kvpop.runtime.pb import generate_pb2_grpc
 
 pytestmark = pytest.mark.slow
 

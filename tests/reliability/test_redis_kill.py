@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from helpers_common import RedisServer
-from kvpop.launcher import start_stack
-from kvpop.launcher_down import stop_stack
-from kvpop.pb import generate_pb2_grpc
-from kvpop.store import session_key, turns_key
+from kvpop.stack.up import start_stack
+from kvpop.stack.down import stop_stack
+from kvpop.runtime.pb import generate_pb2_grpc
+from kvpop.runtime.session_store import session_key, turns_key
 from .reliability_stack import BLOCK_SIZE, clean_env, collect, request, wait_until
 
 pytestmark = pytest.mark.slow

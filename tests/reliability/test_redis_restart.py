@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from .reliability_stack import collect, request, wait_until
-from kvpop.launcher import restart_service
-from kvpop.launcher_down import stop_process
-from kvpop.store import session_key, turns_key
+from kvpop.stack.up import restart_service
+from kvpop.stack.down import stop_process
+from kvpop.runtime.session_store import session_key, turns_key
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .reliability_stack import clean_env, collect, request, tls_env, wait_until
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import generate_pb2_grpc
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import generate_pb2_grpc
 
 RE = grpc.StatusCode.RESOURCE_EXHAUSTED
 MAX_CHARS, MAX_TOKENS, MAX_STREAMS = 300, 1000, 2

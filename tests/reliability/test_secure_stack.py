@@ -14,10 +14,10 @@ import grpc
 import pytest
 
 from .reliability_stack import clean_env, collect, request, tls_env, wait_until
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import compute_pb2, compute_pb2_grpc
-from kvpop.security import SecurityConfig, sync_channel
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc
+from kvpop.runtime.security import SecurityConfig, sync_channel
 
 
 def listening(pid: int) -> set[tuple[str, int]]:
@@ -47,7 +47,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 
 def probe(address: str, env: dict[str, str], plaintext: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvpop.healthcheck", "--grpc", address, "--timeout", "5",
+    return subprocess.run([sys.executable, "-m", "kvpop.runtime.healthcheck", "--grpc", address, "--timeout", "5",
                            *(["--plaintext"] if plaintext else [])],
                           capture_output=True, text=True, timeout=60, env=env, cwd=REPO_ROOT)
 

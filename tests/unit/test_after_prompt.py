@@ -102,8 +102,8 @@ def test_after_prompt_reserves_the_prompt_at_admission(model):
 
 
 def test_gateway_passes_evict_after_prompt_to_compute():
-    from kvpop.pb import generate_pb2
-    from kvpop.config import GatewayConfig
+    from kvpop.runtime.pb import generate_pb2
+    from kvpop.runtime.config import GatewayConfig
     from services.gateway.validation import validate
 
     info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)
@@ -173,8 +173,8 @@ def test_a_bad_allowance_is_refused_before_a_sequence_exists(model, kw, message)
 def test_gateway_checks_and_passes_the_prefill_allowance():
     import grpc
 
-    from kvpop.config import GatewayConfig
-    from kvpop.pb import generate_pb2
+    from kvpop.runtime.config import GatewayConfig
+    from kvpop.runtime.pb import generate_pb2
     from services.gateway.validation import Invalid, validate
 
     info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)

@@ -9,8 +9,8 @@ import sys
 import grpc
 import pytest
 
-from kvpop.config import ConfigError, GatewayConfig, is_loopback, load
-from kvpop.paths import REPO_ROOT
+from kvpop.runtime.config import ConfigError, GatewayConfig, is_loopback, load
+from kvpop.runtime.paths import REPO_ROOT
 from services.gateway.apikeys import KeyFileError, KeyRing, append_key, hash_key, new_key, parse, remove_key
 from services.gateway.rates import KeyRates, RateExceeded
 

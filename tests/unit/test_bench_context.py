@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvpop import bench_context
-from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.bench import context as bench_context
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 
 
 def test_dense_grows_budget_stays_flat(tmp_path):

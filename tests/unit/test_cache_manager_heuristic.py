@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpop.arrays import from_float_array, from_int_array, to_float_array, to_int_array
-from kvpop.pb import cache_manager_pb2 as pb
+from kvpop.runtime.arrays import from_float_array, from_int_array, to_float_array, to_int_array
+from kvpop.runtime.pb import cache_manager_pb2 as pb
 from services.cache_manager.heuristic import AttentionPerAge, plan
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpop.pb import compute_pb2, generate_pb2
-from kvpop.store import Session, Turn
+from kvpop.runtime.pb import compute_pb2, generate_pb2
+from kvpop.runtime.session_store import Session, Turn
 from services.compute.chat_template import ChatTemplateError
 from services.gateway.chats import check_kind, continue_chat
 from services.gateway.validation import Invalid
@@ -22,7 +22,7 @@ A1 = {"role": "assistant", "content": "A fine name."}
 
 
 def tokenizer(folder: Path, template: str = TEMPLATE):
-    from kvpop.default_model import build_tokenizer
+    from kvpop.models.default_model import build_tokenizer
     from services.compute.tokenizer import Tokenizer
 
     folder.mkdir()

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from kvpop.cli import build_parser
-from kvpop.paths import REPO_ROOT
-from kvpop.pb import generate_pb2
-from kvpop.policy_names import POLICIES
-from kvpop.task_model_note import note_for
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.runtime.pb import generate_pb2
+from kvpop.stack.policy_names import POLICIES
+from kvpop.stack.task_model_note import note_for
 
 
 def test_the_cli_lists_every_policy_compute_serves():

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvpop.launcher import free_port
-from kvpop.paths import REPO_ROOT as REPO
+from kvpop.stack.up import free_port
+from kvpop.runtime.paths import REPO_ROOT as REPO
 
 COMPOSE_DIR = REPO / "compose"
 OURS = ("cache-manager", "compute", "gateway")
@@ -194,7 +194,7 @@ def test_health_checks_timing_and_targets(compose, ours):
         grpc_port = next(v for k, v in env.items() if re.fullmatch(r"KVPOP_[A-Z_]+_PORT", k)
                          and k != "KVPOP_METRICS_PORT")
         test = svc["healthcheck"]["test"][1:]
-        assert test[:3] == ["python", "-m", "kvpop.healthcheck"], name
+        assert test[:3] == ["python", "-m", "kvpop.runtime.healthcheck"], name
         assert test[test.index("--grpc") + 1] == f"127.0.0.1:{grpc_port}", name
         assert test[test.index("--http") + 1] == \
             f"http://127.0.0.1:{env['KVPOP_METRICS_PORT']}/healthz", name
@@ -222,7 +222,8 @@ def test_commands_are_our_entry_points_and_start(ours, scripts):
 
 def _settings(name: str) -> set[str]:
     """Variables a service reads: its config class, the security ones."""
-    from kvpop import config, security
+    from kvpop.runtime import config
+    from kvpop.runtime import security
     cls = {"gateway": config.GatewayConfig, "compute": config.ComputeConfig,
            "cache-manager": config.CacheManagerConfig}[name]
     return {getattr(security, n) for n in dir(security) if n.startswith("ENV_")} | \

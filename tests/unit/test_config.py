@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from kvpop.config import (CacheManagerConfig, ComputeConfig, ConfigError, GatewayConfig, add_arguments,
+from kvpop.runtime.config import (CacheManagerConfig, ComputeConfig, ConfigError, GatewayConfig, add_arguments,
                           describe, load)
 
 

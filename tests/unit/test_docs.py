@@ -122,7 +122,7 @@ def test_every_doc_is_reachable_from_the_docs_index():
 
 
 def test_every_public_api_field_is_documented():
-    from kvpop.pb import generate_pb2
+    from kvpop.runtime.pb import generate_pb2
 
     doc = (REPO / "docs" / "reference" / "api.md").read_text()
     missing = [f"{msg.name}.{field.name}" for msg in generate_pb2.DESCRIPTOR.message_types_by_name.values()
@@ -139,12 +139,12 @@ def test_the_cli_reference_is_what_the_parsers_say():
 def test_every_metric_is_in_the_metrics_reference():
     from prometheus_client import CollectorRegistry
 
-    from kvpop.metrics import Metrics
+    from kvpop.runtime.metrics import Metrics
     from services.gateway.key_metrics import KeyMetrics
 
     doc = (REPO / "docs" / "reference" / "metrics.md").read_text()
     KeyMetrics()   # registers into the process's registry
-    from kvpop.metrics import get_metrics
+    from kvpop.runtime.metrics import get_metrics
     names = set()
     for registry in (Metrics(CollectorRegistry(), process_collectors=False).registry, get_metrics().registry):
         for fam in registry.collect():

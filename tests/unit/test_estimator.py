@@ -3,6 +3,8 @@ scoring against a full pass, checkpoints, and training on a synthetic set
 whose answer is known."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -426,7 +428,7 @@ def test_the_default_model_routes_block_sizes_1_and_16_to_their_own_networks():
     only) and the primary for every other block size."""
     import json
 
-    from kvpop.paths import DEFAULT_MODEL_DIR
+    from kvpop.runtime.paths import DEFAULT_MODEL_DIR
     from services.cache_manager.planner import Planner
 
     planner = Planner("")
@@ -497,42 +499,27 @@ def test_cross_rows_let_a_row_use_what_only_another_row_shows():
                     torch.zeros(3, dtype=torch.long))
 
 
-def test_key_diff_input_starts_as_the_network_it_grows_and_scores_exactly_incrementally(tmp_path):
-    """--key-diff added to a trained network scores as that network until its
-    weight moves; once it does, a block's score follows the row's mean key (it
-    moves as blocks arrive), and the incremental scorer, live or not, matches a
-    full pass over every known block at each step."""
-    from kvpop.training.train_estimator import with_key_diff
+def test_a_checkpoint_with_a_research_part_is_refused(tmp_path):
+    """key_diff and reach_skip are research variants (research/README.md): a
+    checkpoint that sets one is refused with the reason, never loaded without it."""
+    from safetensors.torch import save_file
 
-    plain = _net(4)
-    grown = with_key_diff(plain).eval()
-    assert grown.cfg.key_diff and not plain.cfg.key_diff
-    a = _arrays(40, seed=6)
+    net = _net(4)
+    for part in ("key_diff", "reach_skip"):
+        meta = json.loads(net.cfg.to_json()) | {part: True}
+        path = tmp_path / f"{part}.safetensors"
+        save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path),
+                  metadata={"kvpop_estimator": json.dumps(meta)})
+        with pytest.raises(ValueError, match=f"{part} is a research variant"):
+            load(path)
+    # Off, as the shipped configs write it: loads as the network it is.
+    path = tmp_path / "off.safetensors"
+    save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path),
+              metadata={"kvpop_estimator": json.dumps(json.loads(net.cfg.to_json()) | {"key_diff": False})})
+    a = _arrays(12, seed=6)
     layer, head = row_ids(L, H)
     with torch.no_grad():
-        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
-        grown.out[-1].weight[-1].normal_(std=0.5)
-        grown.out[-1].bias[-1] = 2.0
-        assert not torch.allclose(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
-    grown.cfg.rescore_every = 1
-    for live in (True, False):
-        scorer, seq, known = LearnedScorer(grown, live=live), ScoringState().get(f"k{live}"), 0
-        first = None
-        for burst in (10, 1, 6, 3, 20):
-            for r in _records(a, known, known + burst):
-                seq.add(r)
-            known += burst
-            got = scorer.score(seq)
-            with torch.no_grad():
-                full = grown(*rows_from_arrays(seq.arrays()), layer, head).view(L, H, known).permute(2, 0, 1)
-            assert np.allclose(got, full.numpy(), atol=1e-4), (live, known)
-            first = got[0] if first is None else first
-        assert not np.allclose(first, got[0], atol=1e-4)     # the anchor moved: block 0's score did too
-    path = save(grown, tmp_path / "kd.safetensors")
-    back = load(path)
-    assert back.cfg.key_diff
-    with torch.no_grad():
-        assert torch.equal(back(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
+        assert torch.equal(load(path)(*rows_from_arrays(a), layer, head), net.eval()(*rows_from_arrays(a), layer, head))
 
 
 def test_reach_input_starts_as_the_network_it_grows_and_is_read_served_as_in_training(tmp_path):
@@ -634,87 +621,9 @@ def test_prev_block_input_starts_as_the_network_it_grows_and_scores_exactly_incr
         assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
 
 
-def test_reach_skip_starts_as_the_network_it_grows_and_scores_served_as_in_training(tmp_path):
-    """--reach-skip added to a trained reach network scores as that network until
-    its weight moves; then row r's score of a block moves with every row's reach
-    of that same block and no other block's, the scorer over BlockRecords (live,
-    with rows evicting, and not) equals a full pass, subset scoring (a long
-    trace's training step) agrees, and a checkpoint round-trips."""
-    from kvpop.training.train_estimator import with_parts, with_reach
+def test_needed_blocks_are_the_blocks_of_the_answers_depends():
+    from kvpop.training.train_estimator import needed_blocks
 
-    plain = with_reach(_net(11, cross_rows=True)).eval()
-    grown = with_parts(plain, reach_skip=True).eval()
-    assert grown.cfg.reach_skip and not plain.cfg.reach_skip
-    with pytest.raises(ValueError, match="reach"):
-        ValueEstimator(EstimatorConfig(L, H, D, d_model=16, reach_skip=True))
-    n = 24
-    a = _arrays(n, seed=12)
-    a["reach"] = np.random.default_rng(13).random((n, L, H)).astype(np.float32)
-    layer, head = row_ids(L, H)
-    with torch.no_grad():
-        assert torch.equal(plain(*rows_from_arrays(a), layer, head), grown(*rows_from_arrays(a), layer, head))
-        grown.reach_skip.weight.normal_(std=1.0)
-        full = grown(*rows_from_arrays(a), layer, head)
-        base = plain(*rows_from_arrays(a), layer, head)
-        # Only the skip moved: the difference is linear in the reach column of the same block.
-        km, sc, _ = rows_from_arrays(a)
-        want = grown.reach_skip(sc[..., -1].T).T
-        assert torch.allclose(full - base, want, atol=1e-5)
-        b = {k: v.copy() for k, v in a.items()}
-        b["reach"][7, 0, 1] *= 50.0
-        moved = (grown(*rows_from_arrays(b), layer, head) - full).abs() > 1e-6
-        assert moved[:, 7].all() and not moved[:, [i for i in range(n) if i != 7]].any()
-        q = torch.tensor([[0, 3, 7, 20]] * (L * H))
-        assert torch.allclose(grown(*rows_from_arrays(a), layer, head, queries=q), full.gather(1, q), atol=1e-5)
-    grown.cfg.rescore_every = 1
-    rng = np.random.default_rng(14)
-    for live in (True, False):
-        scorer, seq, known = LearnedScorer(grown, live=live), ScoringState().get(f"s{live}"), 0
-        for burst in (5, 1, 7, 2, 9):
-            for i, r in enumerate(_records(a, known, known + burst)):
-                r.reach = a["reach"][known + i]
-                seq.add(r)
-            known += burst
-            if live:
-                names = np.full((L, H, 1), -1, np.int32)
-                held = ~seq.arrays()["gone"]
-                for li in range(L):
-                    for hi in range(H):
-                        cand = seq.arrays()["block"][held[:, li, hi]]
-                        names[li, hi, 0] = rng.choice(cand) if len(cand) > 1 else -1
-                seq.mark_gone(names)
-            got = scorer.score(seq)
-            with torch.no_grad():
-                sub = {k: v[:known] for k, v in a.items()}
-                want = grown(*rows_from_arrays(sub), layer, head).view(L, H, known).permute(2, 0, 1).numpy()
-            held = ~seq.arrays()["gone"] if live else np.ones(got.shape, bool)
-            assert np.abs(got - want)[held].max() < 1e-4, (live, known)
-    back = load(save(grown, tmp_path / "skip.safetensors"))
-    assert back.cfg.reach_skip
-    with torch.no_grad():
-        assert torch.equal(back(*rows_from_arrays(a), layer, head), full)
-
-
-def test_need_loss_ranks_needed_blocks_up_only_in_rows_that_read_them():
-    """--need-weight: the loss is small when a row scores its needed blocks far above
-    the rest, large when below, zero for rows whose target does not value them (or
-    when nothing or everything is needed); its gradient raises the needed blocks."""
-    from kvpop.training.train_estimator import need_loss, needed_blocks
-
-    needed = torch.tensor([False, True, False, False, True, False])
-    target = torch.tensor([[0.1, 0.5, 0.1, 0.0, 0.3, 0.0],      # reads the needed blocks
-                           [0.4, 0.0, 0.3, 0.3, 0.0, 0.0]])     # does not
-    high = torch.tensor([[0.0, 9.0, 0.0, 0.0, 9.0, 0.0], [0.0] * 6])
-    low = torch.tensor([[0.0, -9.0, 0.0, 0.0, -9.0, 0.0], [0.0] * 6])
-    assert need_loss(high, target, needed) < 1e-3 < 8.0 < need_loss(low, target, needed)
-    # The second row does not count: moving its scores changes nothing.
-    assert torch.equal(need_loss(low, target, needed), need_loss(low + torch.tensor([[0.0] * 6, [5.0] * 6]), target, needed))
-    assert float(need_loss(low, target[1:].expand(2, -1), needed)) == 0.0
-    assert float(need_loss(low, target, torch.zeros(6, dtype=torch.bool))) == 0.0
-    assert float(need_loss(low, target, torch.ones(6, dtype=torch.bool))) == 0.0
-    s = torch.zeros(2, 6, requires_grad=True)
-    need_loss(s, target, needed).backward()
-    assert (s.grad[0, needed] < 0).all() and (s.grad[0, ~needed] > 0).all() and (s.grad[1] == 0).all()
     ex = {"depends": np.array([3, 17, 18]), "block_size": 16}
     assert needed_blocks(ex, np.array([0, 1, 2])).tolist() == [True, True, False]
     assert not needed_blocks({"block_size": 16}, np.array([0, 1])).any()

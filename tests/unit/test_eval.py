@@ -12,7 +12,8 @@ import torch
 from kvpop.evaluation import report
 from kvpop.evaluation.harness import Harness, Outcome, Setting, budget_tokens, policy_spec
 from kvpop.evaluation.oracle import OraclePolicy, answer_attention
-from kvpop.tasks import generate, suite
+from kvpop.tasks import suite
+from kvpop.tasks.suite import generate
 from kvpop.tasks.checker import is_correct
 from kvpop.tasks.vocab import WORDS, decode_ids, save_tokenizer
 

@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face folder (kvpop/gguf_convert.py) on a tiny seeded Llama
+"""GGUF -> Hugging Face folder (kvpop/models/gguf_convert.py) on a tiny seeded Llama
 written as llama.cpp writes one: q/k rows permuted for its RoPE, ggml shape
 order, the token embedding in Q8_0, byte-level BPE tokenizer metadata and a
 chat template. No network: the real file is covered by tests/integration/test_smollm2.py.
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from helpers_models import hf_logits, make_hf_model
-from kvpop.default_model import byte_to_unicode
-from kvpop.gguf_convert import ConversionError, convert, hf_tensor_name, unpermute
+from kvpop.models.default_model import byte_to_unicode
+from kvpop.models.gguf_convert import ConversionError, convert, hf_tensor_name, unpermute
 from services.compute.loader import load_model
 from services.compute.tokenizer import Tokenizer
 

@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from helpers_common import REPO
-from kvpop import config, security
-from kvpop.grpc_server import LIVE
+from kvpop.runtime import config
+from kvpop.runtime import security
+from kvpop.runtime.grpc_server import LIVE
 
 OVERLAYS = ("cpu", "gpu")
 OURS = {"gateway": config.GatewayConfig, "compute": config.ComputeConfig,

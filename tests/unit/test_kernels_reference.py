@@ -212,7 +212,7 @@ def test_cuda_module_imports_without_cupy_and_plans_consistent_launches():
 def test_bench_dry_run_on_cpu(tmp_path):
     import json
 
-    from kvpop import bench_kernels as bench
+    from kvpop.bench import kernels as bench
     rc = bench.main(["--dry-run", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "bench.json").read_text())
     assert rc == 0, results["errors"]
@@ -223,7 +223,7 @@ def test_bench_dry_run_on_cpu(tmp_path):
 
 
 def test_bench_h2o_rounds_keep_page_tables_valid():
-    from kvpop import bench_kernels as bench
+    from kvpop.bench import kernels as bench
     args = bench.parse_args(["--dry-run"])
     model = bench.build_model(args, torch.device("cpu"), torch.float32)
     dec = bench.LocalDecoder(model, 2, 40, 30, "h2o", 0.5, 4, use_graphs=False)

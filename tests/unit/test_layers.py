@@ -1,7 +1,8 @@
-"""The layers of docs/design/architecture.md, read from the code's own imports: the runtime
-(kvpop's shared modules) and the kernels at the bottom, the services above
-them, the tools (CLI, benchmarks, eval, training, tasks) on top. Nothing
-imports what is above it, and no service imports another service."""
+"""The layers of docs/design/architecture.md, read from the code's own imports
+and its folders (no list of modules): kvpop/runtime/ and the kernels at the
+bottom, the services above them, the tools (the rest of kvpop: CLI, stack,
+benchmarks, models, eval, training, tasks) on top. Nothing imports what is
+above it, no service imports another service, and no import cycles."""
 from __future__ import annotations
 
 import ast
@@ -9,9 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# kvpop's runtime modules: what every service may use. The rest of kvpop is tools.
-RUNTIME = {"arrays", "config", "gguf_convert", "grpc_server", "healthcheck", "metrics", "model_store", "paths",
-           "pb", "prewarm", "redis_client", "registry", "security", "store", "telemetry"}
+
 def _layer(module: str) -> str:
     parts = module.split(".")
     if parts[0] == "kvkernels":
@@ -19,7 +18,7 @@ def _layer(module: str) -> str:
     if parts[0] == "services":
         return f"service:{parts[1]}" if len(parts) > 1 else "services"
     if parts[0] == "kvpop":
-        return "runtime" if len(parts) == 1 or parts[1] in RUNTIME else "tools"
+        return "runtime" if len(parts) > 1 and parts[1] == "runtime" else "tools"
     return "external"
 
 
@@ -27,7 +26,7 @@ def _imports():
     for top in ("kvpop", "services", "kvkernels"):
         for path in (REPO / top).rglob("*.py"):
             module = ".".join(path.relative_to(REPO).with_suffix("").parts)
-            if module.startswith("kvpop.pb."):
+            if module.startswith("kvpop.runtime.pb."):
                 continue        # generated stubs
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -57,7 +56,85 @@ def test_nothing_imports_a_higher_layer_or_another_service():
 
 def test_the_rule_catches_a_violation():
     assert not _allowed("services.gateway.server", "services.compute.engine")
-    assert not _allowed("kvpop.metrics", "services.compute.engine")
-    assert not _allowed("kvkernels.ops", "kvpop.bench")
+    assert not _allowed("kvpop.runtime.metrics", "services.compute.engine")
+    assert not _allowed("kvpop.runtime.config", "kvpop.models.fetch")          # the runtime never uses a tool
+    assert not _allowed("kvkernels.ops", "kvpop.bench.cli")
     assert not _allowed("services.compute.engine", "kvpop.evaluation.harness")
-    assert _allowed("kvpop.bench", "services.compute.engine") and _allowed("services.compute.engine", "kvpop.config")
+    assert not _allowed("services.compute.server", "kvpop.stack.up")           # nor does a service
+    assert _allowed("kvpop.bench.cli", "services.compute.engine") and _allowed("services.compute.engine",
+                                                                               "kvpop.runtime.config")
+
+
+def test_the_runtime_folder_holds_what_services_import():
+    """Every kvpop module a service imports is in kvpop/runtime/ (the folder says what the services stand on)."""
+    used = {dst for src, dst in _imports() if _layer(src).startswith("service") and dst.startswith("kvpop")}
+    assert used and all(_layer(d) == "runtime" for d in used), sorted(d for d in used if _layer(d) != "runtime")
+
+
+def _modules() -> set[str]:
+    out = set()
+    for top in ("kvpop", "services", "kvkernels"):
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> our modules it imports (`from pkg import mod` imports pkg and pkg.mod)."""
+    known, graph = _modules(), {}
+    for top in ("kvpop", "services", "kvkernels"):
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            src = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if src.startswith("kvpop.runtime.pb."):
+                continue
+            deps = graph.setdefault(src, set())
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    deps.add(node.module)             # runs the package's __init__ too
+                    deps.update(f"{node.module}.{alias.name}" for alias in node.names)
+                elif isinstance(node, ast.Import):
+                    deps.update(alias.name for alias in node.names)
+            deps &= known
+            deps.discard(src)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert not _cycles(_module_graph()), "import cycles:\n" + "\n".join(map(str, _cycles(_module_graph())))
+
+
+def test_the_cycle_check_catches_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not _cycles({"a": {"b"}, "b": set()})

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers_models import hf_logits, save_hf_model
-from kvpop.default_model import build_placeholder, is_placeholder
-from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.models.default_model import build_placeholder, is_placeholder
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 from services.compute.loader import load_model, save_model
 from services.compute.model_config import ModelConfig
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpop.metrics import EngineStatsRefresher, Metrics, get_metrics, start_metrics_server
+from kvpop.runtime.metrics import EngineStatsRefresher, Metrics, get_metrics, start_metrics_server
 
 REQUIRED = [
     "kvpop_time_to_first_token_seconds", "kvpop_inter_token_latency_seconds",
@@ -133,7 +133,7 @@ def test_http_endpoint_serves_metrics_and_readiness():
         assert e.value.code == 404
 
         # The probe command used by compose sees the same thing.
-        probe = [sys.executable, "-m", "kvpop.healthcheck", "--http", base + "/healthz"]
+        probe = [sys.executable, "-m", "kvpop.runtime.healthcheck", "--http", base + "/healthz"]
         assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
         ready["ok"] = False
         assert subprocess.run(probe, capture_output=True, timeout=30).returncode == 1

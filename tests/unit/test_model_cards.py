@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from kvpop.paths import REPO_ROOT
+from kvpop.runtime.paths import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "model_cards.py"
 

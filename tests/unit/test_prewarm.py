@@ -4,14 +4,13 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import pytest
 
-from kvpop.prewarm import (
+from kvpop.runtime.prewarm import (
     COUNTS_KEY, TEXT_KEY, PrewarmCounter, candidate_prefixes, prefix_hash,
 )
-from kvpop.redis_client import RedisUnavailable, connect
+from kvpop.runtime.redis_client import RedisUnavailable, connect
 
 SYSTEM = ("You are a careful assistant. Track every register, show each step of the "
           "arithmetic, and answer with the final value only. ") * 2   # 246 chars
@@ -88,19 +87,20 @@ def test_trim_keeps_the_most_counted(redis_server):
 def test_redis_down_is_a_clear_exception(redis_server):
     async def go():
         client = connect(redis_server.url, timeout_s=0.3)
-        counter = PrewarmCounter(client, backoff_s=0.5)
+        now = [0.0]     # the backoff's clock: it ends when the test says, however slow the machine
+        counter = PrewarmCounter(client, backoff_s=0.5, clock=lambda: now[0])
         await counter.record("p" * 100)
         redis_server.stop()
         with pytest.raises(RedisUnavailable):
             await counter.record("p" * 100)
         with pytest.raises(RedisUnavailable):
             await counter.top_entries(3)
-        # Right after a failure, records are skipped without touching Redis.
-        t0 = time.monotonic()
+        # Within the backoff after a failure, records are skipped without touching Redis
+        # (it is down: touching it would raise).
+        now[0] += 0.4
         assert await counter.record("p" * 100) == 0 and counter.skipped == 1
-        assert time.monotonic() - t0 < 0.05
         redis_server.start()   # appendonly: the counts survive the restart
-        await asyncio.sleep(max(0.0, counter._skip_until - time.monotonic()))
+        now[0] += 0.2
         assert await counter.record("p" * 100) == 1
         assert (await counter.top_entries(1))[0].count == 2
         await client.aclose()

@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from helpers_prometheus import DASHBOARD, PROM_DIR, need
-from kvpop.metrics import Metrics
+from kvpop.runtime.metrics import Metrics
 
 K8S_PROM = PROM_DIR.parent / "k8s" / "prometheus.yml"
 

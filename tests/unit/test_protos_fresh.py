@@ -1,11 +1,10 @@
-"""The committed stubs in kvpop/pb/ are exactly what protos/ generates."""
+"""The committed stubs in kvpop/runtime/pb/ are exactly what protos/ generates."""
 from __future__ import annotations
 
 import re
 import tomllib
 
 from kvpop import protogen
-
 # The generator stamps its own release into the stubs. A new grpcio-tools on the
 # registry changes the stamp, not what the protos define, so the comparison masks
 # it; the floors test below keeps the stamp honest instead.
@@ -31,7 +30,7 @@ def _version(v: str) -> tuple[int, ...]:
 def test_committed_stubs_match_protos(tmp_path):
     fresh = {p.name: p.read_text() for p in protogen.generate(tmp_path)}
     committed = _committed()
-    assert set(fresh) == set(committed), "stale kvpop/pb: run `python -m kvpop.protogen`"
+    assert set(fresh) == set(committed), "stale kvpop/runtime/pb: run `python -m kvpop.protogen`"
     stale = sorted(name for name in fresh if _unstamped(fresh[name]) != _unstamped(committed[name]))
     assert not stale, f"stale stubs {stale}: run `python -m kvpop.protogen`"
 
@@ -62,7 +61,7 @@ def test_dependency_floors_admit_no_runtime_the_stubs_refuse():
 
 def test_stubs_import_package_relative():
     # Importing through the package only works when imports were rewritten.
-    from kvpop.pb import cache_manager_pb2_grpc, compute_pb2, generate_pb2_grpc  # noqa: F401
+    from kvpop.runtime.pb import cache_manager_pb2_grpc, compute_pb2, generate_pb2_grpc  # noqa: F401
 
     req = compute_pb2.ComputeRequest(prompt="x")
     req.eviction.budget_fraction = 0.25

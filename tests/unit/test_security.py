@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from helpers_pki import make_pki
-from kvpop import telemetry
-from kvpop.security import (
+from kvpop.runtime import telemetry
+from kvpop.runtime.security import (
     ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN, SecurityConfig, SecurityConfigError, add_port,
     aio_channel, server_interceptors, sync_channel,
 )
@@ -118,7 +118,7 @@ def test_token_on_plaintext_rejects_every_rpc_shape_but_not_health(pki):
                     assert await _health(ch) == health_pb2.HealthCheckResponse.SERVING
             # ... and a plaintext port is probed fine from a process that has
             # the internal TLS settings (the gateway container).
-            probe = [sys.executable, "-m", "kvpop.healthcheck", "--grpc", addr]
+            probe = [sys.executable, "-m", "kvpop.runtime.healthcheck", "--grpc", addr]
             env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVPOP_")}, **_env(pki)}
             r = await asyncio.to_thread(subprocess.run, probe + ["--plaintext"], capture_output=True,
                                         text=True, timeout=60, env=env)
@@ -181,7 +181,7 @@ def test_mutual_tls_with_token(pki):
                 == grpc.StatusCode.UNAUTHENTICATED
 
             # The compose health probe over mTLS, configured by the same variables.
-            probe = [sys.executable, "-m", "kvpop.healthcheck", "--grpc", addr, "--timeout", "5"]
+            probe = [sys.executable, "-m", "kvpop.runtime.healthcheck", "--grpc", addr, "--timeout", "5"]
             base = {k: v for k, v in os.environ.items() if not k.startswith("KVPOP_")}
             ok = await asyncio.to_thread(subprocess.run, probe, capture_output=True, text=True,
                                          timeout=60, env={**base, **_env(pki, token=None)})

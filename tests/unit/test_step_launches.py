@@ -10,7 +10,7 @@ import pytest
 
 from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from kvpop.bench_step import DispatchCounter
+from kvpop.bench.step import DispatchCounter
 from services.compute.engine import EvictionParams, SamplingParams
 
 

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from helpers_common import wait_until
-from kvpop.launcher import Proc, Stack, proc_start_time, request_restart
-from kvpop.paths import REPO_ROOT
-from kvpop.supervisor import CRASH_LOOP_AFTER, MAX_DELAY_S, STATUS_FILE, restart_delay
+from kvpop.stack.up import Proc, Stack, proc_start_time, request_restart
+from kvpop.runtime.paths import REPO_ROOT
+from kvpop.stack.supervisor import CRASH_LOOP_AFTER, MAX_DELAY_S, STATUS_FILE, restart_delay
 
 
 def test_restart_delays():
@@ -44,7 +44,7 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
         stack.processes.append(proc)
     stack.save()
     sup_log = open(tmp_path / "logs" / "supervisor.log", "ab")
-    sup = subprocess.Popen([sys.executable, "-m", "kvpop.supervisor", "--state-dir", str(tmp_path)], cwd=REPO_ROOT,
+    sup = subprocess.Popen([sys.executable, "-m", "kvpop.stack.supervisor", "--state-dir", str(tmp_path)], cwd=REPO_ROOT,
                            stdout=sup_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         def status():
@@ -117,7 +117,7 @@ def test_supervisor_restarts_backs_off_and_reports(tmp_path):
 
 @pytest.mark.parametrize("mode", [0o600])
 def test_token_file_is_private(tmp_path, mode):
-    from kvpop.security import SecurityConfig, write_token
+    from kvpop.runtime.security import SecurityConfig, write_token
 
     path = write_token(tmp_path / "state" / "internal_token", "abc123")
     assert (path.stat().st_mode & 0o777) == mode
@@ -127,6 +127,6 @@ def test_token_file_is_private(tmp_path, mode):
 def test_free_port_never_hands_out_a_port_twice():
     # The kernel may return the port a just-closed probe had; a stack given the
     # same number for two listeners fails at start ("Address already in use").
-    from kvpop.launcher import free_port
+    from kvpop.stack.up import free_port
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)

@@ -7,7 +7,8 @@ import statistics
 import pytest
 from tokenizers import Tokenizer
 
-from kvpop.tasks import FAMILIES, TEST_SEEDS, TRAIN_SEEDS, generate, suite
+from kvpop.tasks import suite
+from kvpop.tasks.suite import FAMILIES, TEST_SEEDS, TRAIN_SEEDS, generate
 from kvpop.tasks.checker import extract_answer, is_correct
 from kvpop.tasks.vocab import BOS_ID, EOS_ID, save_tokenizer
 from kvpop.training.data import make_batch, train_instance

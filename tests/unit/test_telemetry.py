@@ -5,9 +5,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvpop import telemetry
-
-
+from kvpop.runtime import telemetry
 @pytest.mark.parametrize("env, want", [
     ({}, []),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, ["otlp"]),

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpop.default_model import build_tokenizer
-from kvpop.paths import DEFAULT_MODEL_DIR
+from kvpop.models.default_model import build_tokenizer
+from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 from services.compute.tokenizer import Tokenizer
 
 SAMPLES = ["", "hello world", "  leading and trailing  ", "line\nbreak\ttab",

@@ -1,0 +1,1 @@
+"""Models: `kvpop fetch-model` (download and GGUF conversion) and the embedded default model."""
