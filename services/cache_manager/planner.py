@@ -210,21 +210,38 @@ class Planner:
 
     def plan(self, request_id: str) -> Plan:
         """Rank every known block of the sequence, most evictable first."""
-        seq = self.state.get(request_id)
-        scores, scorer = None, None
-        if self.scorers:
-            shape = seq.arrays()["key_mean"].shape[1:]
-            scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens, seq.block_size)
+        return self.plan_many([request_id])[0]
+
+    def plan_many(self, request_ids: list[str]) -> list[Plan]:
+        """``plan`` of several sequences; those one network ranks are scored in one
+        call (LearnedScorer.score_many): a round of plans costs a network pass,
+        not one per sequence. Each plan is what ``plan`` gives alone."""
+        seqs = [self.state.get(rid) for rid in request_ids]
+        chosen, groups = [], {}
+        for seq in seqs:
+            scorer = None
+            if self.scorers:
+                shape = seq.arrays()["key_mean"].shape[1:]
+                scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens, seq.block_size)
+                if scorer is None and shape not in self._checked:
+                    self._checked.add(shape)
+                    log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
+                                "for such sequences", self.loaded, shape)
+            chosen.append(scorer)
             if scorer is not None:
-                try:
-                    scores = scorer.score(seq)
-                except Exception:  # noqa: BLE001 - a network failure must not cost the plan
+                groups.setdefault(id(scorer), (scorer, []))[1].append(seq)
+        scores = {}
+        for scorer, group in groups.values():
+            try:
+                scores.update(zip(map(id, group), scorer.score_many(group)))
+            except Exception:  # noqa: BLE001 - a network failure must not cost the plans
+                for seq in group:
                     seq.cache.clear()
-                    log.exception("estimator failed on %s; ranking it with the heuristic", request_id)
-            elif shape not in self._checked:
-                self._checked.add(shape)
-                log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
-                            "for such sequences", self.loaded, shape)
+                log.exception("estimator failed on %s; ranking them with the heuristic",
+                              ", ".join(s.request_id for s in group))
+        return [self._plan_from(seq, scores.get(id(seq)), scorer) for seq, scorer in zip(seqs, chosen)]
+
+    def _plan_from(self, seq, scores, scorer) -> Plan:
         ranker, estimator = "network", scorer.label if scorer is not None else ""
         if scores is None:
             scores, ranker, estimator = self.heuristic.score(seq), "heuristic", ""

@@ -75,16 +75,20 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
         gone = from_int_array(batch.gone) if batch.HasField("gone") else None
         self.planner.add(batch.request_id, records, gone, batch.prompt_tokens)
 
-    def _plan(self, request_id: str) -> pb.AdvisorReply:
-        plan = self.planner.plan(request_id)
-        self.plans_sent += 1
-        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=request_id, evict=to_int_array(plan.evict),
-                                                    covers=plan.covers, ranker=plan.ranker,
-                                                    estimator=plan.estimator))
+    def _plans(self, request_ids: list[str]) -> list[pb.AdvisorReply]:
+        """One network call for every sequence due in the round (Planner.plan_many)."""
+        with get_metrics().scoring_latency.time():
+            plans = self.planner.plan_many(request_ids)
+        self.plans_sent += len(plans)
+        return [pb.AdvisorReply(plan=pb.EvictionPlan(request_id=rid, evict=to_int_array(plan.evict),
+                                                     covers=plan.covers, ranker=plan.ranker,
+                                                     estimator=plan.estimator))
+                for rid, plan in zip(request_ids, plans)]
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
         """Messages are read by a task into a queue; each round folds every
-        message waiting and answers once per sequence with its newest plan.
+        message waiting and answers once per sequence with its newest plan,
+        all of the round's sequences scored in one network call.
         A backlog (many sequences, a slow network) thus costs one plan per
         sequence per round, never one per message, so plans do not fall
         further and further behind the features they answer."""
@@ -131,14 +135,14 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                     _, n, blocks = parts.pop(rid, None) or due.pop(rid, None) or (None, 0, 0)
                     # A part with more to come is folded, but planned only with its batch's last part.
                     (parts if msg.features.more else due)[rid] = (msg, n + 1, blocks + len(msg.features.blocks))
-                for rid, (msg, n, blocks) in due.items():
+                replies = self._plans(list(due)) if due else []
+                for (rid, (msg, n, blocks)), reply in zip(due.items(), replies):
                     parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
                     with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
                         span.set_attribute("kvpop.request_id", rid)
                         span.set_attribute("kvpop.blocks", blocks)
                         span.set_attribute("kvpop.messages", n)
-                        with get_metrics().scoring_latency.time():
-                            reply = self._plan(rid)
+                        span.set_attribute("kvpop.planned_with", len(replies))
                         span.set_attribute("kvpop.ranker", reply.plan.ranker)
                         span.set_attribute("kvpop.estimator", reply.plan.estimator)
                     get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()

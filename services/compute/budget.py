@@ -33,7 +33,10 @@ def min_budget_blocks(sink_blocks: int, recent: int, block_size: int) -> int:
 
 
 def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max_tokens: int,
-                     plan_slack_blocks: int = 2, cleanup_floor: float = 0.5) -> EvictionState:
+                     plan_slack_blocks: int = 2, cleanup_floor: float = 0.5,
+                     round_slack: int = 0) -> EvictionState:
+    """round_slack: blocks a budgeted row may run over its budget between
+    rounds (the engine's: one page less one block)."""
     if p.policy not in POLICY_NAMES:
         raise ValueError(f"unknown policy {p.policy!r}; choose one of {', '.join(POLICY_NAMES)}")
     if p.block_size is not None and p.block_size != block_size:
@@ -74,5 +77,5 @@ def resolve_eviction(p: EvictionParams, *, block_size: int, prompt_len: int, max
     # a multiple of the budget (past the prompt, the prompt); neither above the budget: the budget.
     whole_prompt = math.ceil(prompt_len / block_size) + 1
     prefill = whole_prompt if p.after_prompt else min(math.ceil(blocks * p.prefill_allowance), whole_prompt)
-    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, p.after_prompt,
+    return EvictionState(p.policy, blocks, floor, sink_blocks, p.recent, slack, round_slack, p.after_prompt,
                          prefill if prefill > blocks else None)
