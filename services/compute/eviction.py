@@ -195,18 +195,20 @@ def compact_pages(seqs: list[Sequence], keep: torch.Tensor, left: list[int], cho
 
 def overshoot(seq: Sequence, now: bool = False) -> int:
     """Blocks per row over the budget, leaving room for the block the next
-    decode step may open (0 for dense sequences). Rows run up to
+    decode step may open (0 for dense sequences). A decoding row runs up to
     ``round_slack`` blocks over before it counts (0 until then), so a round
     evicts a page's worth at once: per-step rounds of one token each were a
-    sort, a gather per statistic and a compaction per step. ``now``: every
-    block over counts (the pool needs the pages: cleanup)."""
+    sort, a gather per statistic and a compaction per step. Prefill has no
+    slack: a chunk's round brings the rows back at once, so the peak stays the
+    budget plus one chunk. ``now``: every block over counts (the pool needs
+    the pages: cleanup)."""
     st = seq.eviction
     if st.budget_blocks is None:
         return 0
     n, bs = seq.num_cached, seq.block_size
     target = st.target_blocks(seq.in_prefill) - (1 if not seq.in_prefill and n % bs == 0 else 0)
     over = seq.num_blocks - target
-    return max(0, over) if now or over > st.round_slack else 0
+    return max(0, over) if now or seq.in_prefill or over > st.round_slack else 0
 
 
 def plan_problem(seq: Sequence) -> str:
