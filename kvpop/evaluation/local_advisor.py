@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from services.cache_manager.planner import Planner
-from services.cache_manager.scoring_state import BlockRecord
-from services.compute.advisor import EvictionPlan, PlanMailbox
+from services.compute.advisor import EvictionPlan, FeatureBatch, PlanMailbox
 
 
 class LocalAdvisor:
@@ -49,23 +48,15 @@ class LocalAdvisor:
             return self.planner.reload()
 
     def submit(self, features, gone=None) -> None:
-        """features: compute's BlockFeatures (torch tensors) of one sequence;
+        """features: compute's FeatureBatch (or BlockFeatures) of one sequence;
         gone: [L, Hkv, k] blocks its rows evicted since its last submit."""
-        by_request: dict[str, list[BlockRecord]] = {}
-        prompt_tokens: dict[str, int] = {}
-        for f in features:
-            prompt_tokens[f.request_id] = f.prompt_tokens
-            by_request.setdefault(f.request_id, []).append(BlockRecord(
-                block=int(f.block), position=int(f.position), age=int(f.age),
-                key_mean=f.key_mean.float().numpy(), value_norm=f.value_norm.float().numpy(),
-                attention=f.attention.float().numpy(),
-                reach=None if f.reach is None else f.reach.float().numpy()))
         with self._lock:
-            for rid, records in by_request.items():
+            for batch in FeatureBatch.pack(features):
                 t0 = time.perf_counter()
-                self.planner.add(rid, records, None if gone is None else gone.numpy(), prompt_tokens[rid])
+                self.planner.add_arrays(batch.request_id, {f: getattr(batch, f).numpy() for f in FeatureBatch.FIELDS},
+                                        None if gone is None else gone.numpy(), batch.prompt_tokens)
                 self.score_seconds += time.perf_counter() - t0
-                self._due[rid] = None
+                self._due[batch.request_id] = None
 
     def take_plans(self) -> dict[str, EvictionPlan]:
         with self._lock:

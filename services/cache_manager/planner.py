@@ -194,6 +194,28 @@ class Planner:
         if records and seq.block_size:
             self._check_block_size(seq.block_size)
 
+    def add_arrays(self, request_id: str, a: dict[str, np.ndarray], gone: np.ndarray | None = None,
+                   prompt_tokens: int = 0) -> None:
+        """``add`` of blocks as arrays (compute's FeatureBatch: block, position, age
+        [k]; key_mean [k, L, Hkv, d]; value_norm, attention, reach [k, L, Hkv])."""
+        km = np.shape(a["key_mean"])
+        k = len(a["block"])
+        if k:
+            if len(km) != 4 or km[0] != k or any(np.shape(a[f]) != km[:3] for f in ("value_norm", "attention", "reach")) \
+                    or any(np.shape(a[f]) != (k,) for f in ("position", "age")):
+                raise ValueError(f"features of {k} blocks: key_mean {km}, "
+                                 + ", ".join(f"{f} {np.shape(a[f])}" for f in ("value_norm", "attention", "reach",
+                                                                               "position", "age"))
+                                 + " do not fit [k, L, Hkv, d], [k, L, Hkv] and [k]")
+        seq = self.state.get(request_id)
+        seq.add_many(a)
+        if prompt_tokens > 0:
+            seq.prompt_tokens = int(prompt_tokens)
+        if gone is not None:
+            seq.mark_gone(gone)
+        if k and seq.block_size:
+            self._check_block_size(seq.block_size)
+
     def _check_block_size(self, block_size: int) -> None:
         """Say once per block size when the network was trained on others: at block
         sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked

@@ -73,7 +73,13 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                reach=from_float_array(b.reach) if b.HasField("reach") else None)
                    for b in batch.blocks]
         gone = from_int_array(batch.gone) if batch.HasField("gone") else None
-        self.planner.add(batch.request_id, records, gone, batch.prompt_tokens)
+        self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone, batch.prompt_tokens)
+        if batch.HasField("arrays"):
+            a = batch.arrays
+            self.planner.add_arrays(batch.request_id, {
+                "block": from_int_array(a.block), "position": from_int_array(a.position), "age": from_int_array(a.age),
+                "key_mean": from_float_array(a.key_mean), "value_norm": from_float_array(a.value_norm),
+                "attention": from_float_array(a.attention), "reach": from_float_array(a.reach)}, gone, batch.prompt_tokens)
 
     def _plans(self, request_ids: list[str]) -> list[pb.AdvisorReply]:
         """One network call for every sequence due in the round (Planner.plan_many)."""

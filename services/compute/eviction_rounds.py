@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor
+from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor, FeatureBatch
 from services.compute.block_features import (blocks_leaving, leaving_features, resident_block_features,
                                              update_features)
 from services.compute.eviction import Round, evict_rounds, overshoot, plan_problem, usable_plan
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def posted_upto(seq: Sequence) -> int:
     """One past the highest block submitted to the advisor (``sent_upto`` less
     the batches still waiting for a round)."""
-    return seq.unsent[0].block if seq.unsent else seq.sent_upto
+    return int(seq.unsent[0].block[0]) if seq.unsent else seq.sent_upto
 
 
 class EvictionRounds:
@@ -136,10 +136,12 @@ class EvictionRounds:
                 self._sync(seq)
             leaving = [(seq, blocks_leaving(seq, self._plan_every(seq))) for seq in learned]
             for (seq, _), feats in zip(leaving, leaving_features(leaving)):
-                seq.unsent.extend(feats)
+                if feats is not None:
+                    seq.unsent.append(feats)
                 # With a round slack only a round needs a plan: batches wait for it (their
-                # features as taken now) and go together, planned once.
-                if seq.unsent and (not seq.eviction.round_slack or overshoot(seq) > 0):
+                # features as taken now) and go together, planned once. A sequence whose
+                # wait ran out sends each batch at once until a plan is in time again.
+                if seq.unsent and (not seq.eviction.round_slack or overshoot(seq) > 0 or seq.plan_gave_up):
                     self._post(seq)
         else:
             for seq in learned:
@@ -154,7 +156,7 @@ class EvictionRounds:
         if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
             seq.submitted_at.clear()
         seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-        feats, seq.unsent = seq.unsent, []
+        feats, seq.unsent = FeatureBatch.cat(seq.unsent), []
         self.advise(self.advisor.submit, feats, self._take_gone(seq))
 
     def _plan_every(self, seq: Sequence) -> int:

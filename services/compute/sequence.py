@@ -101,8 +101,8 @@ class Sequence:
     fallback_warned: bool = False
     plan_gave_up: bool = False     # its last wait ran out: no more waits until a plan comes
     gone: list = field(default_factory=list)     # learned: [L, Hkv, k] blocks evicted since the last submit
-    # learned: features taken (sent_upto counts them) but not yet submitted: with
-    # round_slack, batches wait for the round that needs a plan and go with it
+    # learned: FeatureBatches taken (sent_upto counts them) but not yet submitted:
+    # with round_slack, batches wait for the round that needs a plan and go with it
     unsent: list = field(default_factory=list)
     # set by the engine
     policy: object | None = None   # Policy that ranks blocks (the fallback for "learned")
