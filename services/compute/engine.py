@@ -74,7 +74,7 @@ class EngineConfig:
     pipeline_decode_plans: bool = False
     # Blocks a budgeted row may run over its budget before a round evicts them all
     # (None: one page less one block, so a row stays within one page over its
-    # budget's pages). Rounds then run once a page's worth of tokens came, not at
+    # budget's pages; never more than an eighth of the budget: budget.py). Rounds then run once a page's worth of tokens came, not at
     # every step, and a learned sequence's features go with the round that needs a
     # plan: one network call per page, not per plan interval. 0: a round whenever a
     # row is over (every step at block size 1).

@@ -203,6 +203,11 @@ class EvictionRounds:
             return
         reason = plan_problem(seq) or ("" if self.advisor_up() else ADVISOR_DOWN)
         if not reason and seq.plan_gave_up:
+            if seq.pending_plan is not None:
+                # Behind, not stuck: the plan in hand ranks every block it covers (the newer
+                # ones are kept, or counted unranked if the round needs them).
+                self._queue(seq, seq.pending_plan, "")
+                return
             reason = NO_PLAN    # a live but stuck advisor stalls a sequence once, not every round
         if not reason:
             if seq.unsent:
