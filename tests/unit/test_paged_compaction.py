@@ -242,3 +242,19 @@ def test_rounds_evict_a_page_at_once_within_the_round_slack(model, policy):
     if policy == "learned":
         assert advisor.plans_sent <= -(-180 // 24) + decode_rounds + 2
         assert seq is None or not seq.fallback_evictions
+
+
+def test_a_sequence_behind_its_plans_evicts_on_the_plan_in_hand(model):
+    """Plans that come later than compute waits (here: none is waited for) make
+    the first round fall back; later rounds evict along the plan in hand (it
+    ranks every block it covers, newer ones are kept) instead of falling back
+    for the rest of the request."""
+    # Each plan comes 12 steps after its features: later than the next batch (8 tokens on).
+    advisor = ScriptedAdvisor(delay=12)
+    engine = tiny_engine(model, advisor=advisor, block_size=1, page_size=16, num_pages=20000, prefill_chunk=24,
+                         plan_wait_s=0.0)
+    engine.add_request("r", random_prompt(180, seed=6), SamplingParams(max_tokens=64, ignore_eos=True),
+                       EvictionParams("learned", budget=128, sink=4, recent=8))
+    usage = run_all(engine)["r"][-1].usage
+    assert usage.fallback_evictions > 0, usage            # the waits ran out (the prompt's rounds)
+    assert usage.network_evictions > 0, usage             # the decode rounds evicted along the plans
