@@ -153,7 +153,7 @@ def check_invariants(engine):
             chunk = math.ceil(engine.config.prefill_chunk / seq.block_size) + 1 if seq.holding else 0
             # Held longer: the whole prompt (after_prompt) or an allowance, until the prompt is in.
             base = (engine.scheduler.base_blocks(seq) if st_.prefill_blocks is not None
-                    else st_.budget_blocks + st_.slack_blocks)
+                    else st_.budget_blocks + st_.round_slack + st_.slack_blocks)
             assert seq.num_blocks <= base + chunk, (st_, seq.num_blocks)
         assert bool((bi[:, 1:] > bi[:, :-1]).all()), "rows sorted, no duplicates"
         if st_.budget_blocks is None and engine.model.config.sliding_window:

@@ -3,8 +3,9 @@
 tests: deterministic, no gRPC, no timing. A tool: it joins compute's advisor
 protocol to the cache-manager's planner, which the services never do.
 
-Each ``submit`` is answered at once with the plan the service would send for
-that batch; ``take_plans`` (the engine's next step boundary) hands it over,
+Each ``submit`` is folded at once; ``take_plans`` (the engine's next step
+boundary) plans every sequence submitted since, in one network call as the
+service plans the messages waiting in a round, and hands the plans over,
 exactly as the remote client does when the cache-manager keeps up: the engine
 drives both through one protocol (a sequence needing a plan is held until
 the next step boundary, where this one always has it).
@@ -18,8 +19,7 @@ from pathlib import Path
 import torch
 
 from services.cache_manager.planner import Planner
-from services.cache_manager.scoring_state import BlockRecord
-from services.compute.advisor import EvictionPlan, PlanMailbox
+from services.compute.advisor import EvictionPlan, FeatureBatch, PlanMailbox
 
 
 class LocalAdvisor:
@@ -31,6 +31,7 @@ class LocalAdvisor:
         self.planner = Planner(checkpoint, max_plan_blocks, model=model)
         self._lock = threading.Lock()      # guards the planner
         self._plans = PlanMailbox()
+        self._due: dict[str, None] = {}    # submitted since the last take_plans, in order
         self.plans_sent = 0
         self.score_seconds = 0.0
 
@@ -47,31 +48,30 @@ class LocalAdvisor:
             return self.planner.reload()
 
     def submit(self, features, gone=None) -> None:
-        """features: compute's BlockFeatures (torch tensors) of one sequence;
+        """features: compute's FeatureBatch (or BlockFeatures) of one sequence;
         gone: [L, Hkv, k] blocks its rows evicted since its last submit."""
-        by_request: dict[str, list[BlockRecord]] = {}
-        prompt_tokens: dict[str, int] = {}
-        for f in features:
-            prompt_tokens[f.request_id] = f.prompt_tokens
-            by_request.setdefault(f.request_id, []).append(BlockRecord(
-                block=int(f.block), position=int(f.position), age=int(f.age),
-                key_mean=f.key_mean.float().numpy(), value_norm=f.value_norm.float().numpy(),
-                attention=f.attention.float().numpy(),
-                reach=None if f.reach is None else f.reach.float().numpy()))
         with self._lock:
-            for rid, records in by_request.items():
+            for batch in FeatureBatch.pack(features):
                 t0 = time.perf_counter()
-                self.planner.add(rid, records, None if gone is None else gone.numpy(), prompt_tokens[rid])
-                plan = self.planner.plan(rid)
+                self.planner.add_arrays(batch.request_id, {f: getattr(batch, f).numpy() for f in FeatureBatch.FIELDS},
+                                        None if gone is None else gone.numpy(), batch.prompt_tokens)
                 self.score_seconds += time.perf_counter() - t0
-                self._plans.put(EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
-                                             plan.covers, plan.ranker, plan.estimator))
-                self.plans_sent += 1
+                self._due[batch.request_id] = None
 
     def take_plans(self) -> dict[str, EvictionPlan]:
+        with self._lock:
+            due, self._due = list(self._due), {}
+            if due:
+                t0 = time.perf_counter()
+                for rid, plan in zip(due, self.planner.plan_many(due)):
+                    self._plans.put(EvictionPlan(rid, torch.from_numpy(plan.evict.astype("int32")),
+                                                 plan.covers, plan.ranker, plan.estimator))
+                self.score_seconds += time.perf_counter() - t0
+                self.plans_sent += len(due)
         return self._plans.take()
 
     def release(self, request_id: str) -> None:
         self._plans.drop(request_id)
         with self._lock:
+            self._due.pop(request_id, None)
             self.planner.drop(request_id)

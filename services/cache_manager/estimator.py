@@ -20,6 +20,7 @@ O(n): scores keep moving as the context grows without re-running attention.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from services.cache_manager.live_attention import LiveRows, gone_rows
+from services.cache_manager.live_attention import LiveRows, gone_rows, update_many
 
 N_SCALARS = 7
 N_TIME = 3
@@ -186,6 +187,16 @@ class ValueEstimator(nn.Module):
         the first ``context`` blocks (0 or 1) are the ones just before the blocks
         embedded, given only for prev_block. With cross_rows, R must be every row of
         one sequence (L * Hkv, layer-major)."""
+        return self.embed_many([(key_mean, scalars, context)], layer, head)[0]
+
+    def embed_many(self, parts: list, layer, head) -> list[torch.Tensor]:
+        """``embed`` of several sequences' blocks [(key_mean, scalars, context), ...]
+        (the same rows) in one pass: every layer's call is per block, so each
+        sequence's h0 is what ``embed`` gives it alone; only prev_block looks
+        across blocks, and never across two sequences."""
+        sizes = [p[0].shape[1] for p in parts]
+        cat = lambda ts: torch.cat(ts, 1) if len(ts) > 1 else ts[0]
+        key_mean, scalars = cat([p[0] for p in parts]), cat([p[1] for p in parts])
         scalars = scalars[..., :self.n_scalars]                              # the reach column if it reads it
         rowe = self.layer_emb(layer) + self.head_emb(head)
         key = self.key_in[0](key_mean)                                     # LayerNorm, shared with the cross rows
@@ -199,8 +210,10 @@ class ValueEstimator(nn.Module):
             h = h + self.cross_out(u)[None]                                  # the same for every row
             if self.cfg.prev_block:
                 before = torch.cat([u.new_zeros(1, u.shape[1]), u[:-1]])    # the first known block has none
+                if len(parts) > 1:   # nor does each sequence's first here (its context, if any, is dropped)
+                    before[torch.tensor(list(itertools.accumulate(sizes[:-1])))] = 0
                 h = h + self.prev_out(before)[None]
-        return h[:, context:]
+        return [x[:, p[2]:] for x, p in zip(h.split(sizes, 1), parts)]
 
     def curve(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out(hidden)                                             # [R, n, 1 + N_TIME]
@@ -332,6 +345,45 @@ class LearnedScorer:
         return (c.num_layers, c.num_kv_heads, c.head_dim) == (L, H, d)
 
     @torch.no_grad()
+    def score_many(self, seqs: list) -> list[np.ndarray]:
+        """``score`` of several sequences, their newcomers' network passes batched
+        into one call per layer (each sequence's attention stays its own). A plan
+        round of many short plans was a few dozen small tensor operations per
+        sequence; a sequence's scores are what ``score`` gives it alone."""
+        if not self.live or len(seqs) < 2:
+            return [self.score(s) for s in seqs]
+        todo = []
+        for seq in seqs:
+            a = seq.arrays()
+            n, L, H, d = a["key_mean"].shape
+            if not self.compatible(L, H, d):
+                raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
+                                 f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
+            live, have = self._live(seq, n)
+            ctx = int(self.model.cfg.prev_block and have > 0)
+            todo.append((seq, a, live, (*block_inputs(a, have - ctx), gone_rows(a), ctx)))
+        update_many([t[2] for t in todo], [t[3] for t in todo])
+        out = []
+        for seq, a, live, _ in todo:
+            n, L, H = a["value_norm"].shape
+            seq.cache["n"] = n
+            s = self.model.apply_curve(live.curves(), self._times(a))   # [R, n]
+            out.append(s.view(L, H, n).permute(2, 0, 1).numpy())
+        return out
+
+    def _live(self, seq, n: int):
+        """The sequence's LiveRows (new if its cache is stale) and how many blocks it has seen."""
+        c = seq.cache
+        if c.get("model") is not self.model or c.get("revision") != seq.revision or c.get("n", 0) > n:
+            c.clear()
+        live = c.get("live")
+        if live is None:
+            L, H = self.model.cfg.num_layers, self.model.cfg.num_kv_heads
+            live = LiveRows(self.model, *row_ids(L, H), self.rescore_every)
+            c.update(model=self.model, revision=seq.revision, live=live)
+        return live, c.get("n", 0)
+
+    @torch.no_grad()
     def score(self, seq) -> np.ndarray:
         """[n, L, Hkv] predicted log future importance; low = evict first."""
         a = seq.arrays()
@@ -346,10 +398,7 @@ class LearnedScorer:
         have = c.get("n", 0)
         if self.live:
             # Exact and incremental: see live_attention.
-            live = c.get("live")
-            if live is None:
-                live = LiveRows(self.model, layer, head, self.rescore_every)
-                c.update(model=self.model, revision=seq.revision, live=live)
+            live, have = self._live(seq, n)
             ctx = int(self.model.cfg.prev_block and have > 0)
             live.update(*block_inputs(a, have - ctx), gone_rows(a), context=ctx)
             c["n"] = n

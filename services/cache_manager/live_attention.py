@@ -135,18 +135,16 @@ class LiveRows:
         """km [R, m, d], sc [R, m, S]: features of the blocks that arrived since the
         last update, after ``context`` blocks known before (ValueEstimator.embed);
         gone [R, n] (n = blocks known after them)."""
-        self._drop_gone(gone[:, :self.n])
-        m = km.shape[1] - context
-        if m <= 0:
-            return
-        h0 = self.model.embed(km, sc, self.layer, self.head, context)
-        k, v = self.blk.project(h0)
-        q = self.blk.query(h0)
+        update_many([self], [(km, sc, gone, context)])
+
+    def _take_newcomers(self, h0, k, v, q, gone) -> torch.Tensor:
+        """Fold in the newcomers' h0 [R, m, D] and projections: blocks held see their
+        keys, they see every block known (themselves included). -> their attention
+        output [R, heads, m, dh] (their curves are the caller's)."""
         if self.idx.shape[1]:               # blocks already held see the newcomers' keys
             self.out, self.lse = _merge(self.out, self.lse, *_attend(self.q, k, v, self.scale))
-        first = self.n
+        first, m = self.n, h0.shape[1]
         self._append_kv(k, v)
-        # Newcomers see every block known, themselves included.
         out, lse = _attend(q, self.k[:, :, :self.n], self.v[:, :, :self.n], self.scale)
         R = len(self.layer)
         new_idx = torch.arange(first, first + m).expand(R, m)
@@ -155,9 +153,7 @@ class LiveRows:
         self.h0 = torch.cat([self.h0, h0], 1)
         self.q = torch.cat([self.q, q], 2)
         self.out, self.lse = torch.cat([self.out, out], 2), torch.cat([self.lse, lse], 2)
-        self.curve = torch.cat([self.curve, self._curve(h0, out)], 1)
-        if self.n - self.fresh >= self.refresh_every:
-            self.curve, self.fresh = self._curve(self.h0, self.out), self.n
+        return out
 
     def _curve(self, h0, out):
         return self.model.curve(self.blk.finish(h0, out))
@@ -169,6 +165,43 @@ class LiveRows:
         col = torch.where(self.idx >= 0, self.idx, torch.full_like(self.idx, self.n))   # a scratch column
         out.scatter_(1, col[..., None].expand(-1, -1, C), self.curve)
         return out[:, :self.n]
+
+
+def update_many(lives: list[LiveRows], inputs: list[tuple]) -> None:
+    """``LiveRows.update`` of several sequences (one network): inputs (km, sc,
+    gone, context) each. The per-block layers (embedding, projections, the MLP
+    and curve head) run once over every sequence's blocks together; each
+    sequence's attention is its own. Per-block layers give a block the same
+    output whatever else is in the call, so a sequence's scores do not depend
+    on which others were planned with it."""
+    for live, (_, _, gone, _) in zip(lives, inputs):
+        live._drop_gone(gone[:, :live.n])
+    todo = [(live, inp) for live, inp in zip(lives, inputs) if inp[0].shape[1] - inp[3] > 0]
+    if not todo:
+        return
+    first = todo[0][0]
+    model, blk = first.model, first.blk
+    cat = lambda ts, dim: torch.cat(ts, dim) if len(ts) > 1 else ts[0]
+    h0s = model.embed_many([(km, sc, ctx) for _, (km, sc, _, ctx) in todo], first.layer, first.head)
+    sizes = [h.shape[1] for h in h0s]
+    h0 = cat(h0s, 1)
+    k, v = blk.project(h0)
+    q = blk.query(h0)
+    outs = [live._take_newcomers(h, kk, vv, qq, inp[2])
+            for (live, inp), h, kk, vv, qq in zip(todo, h0s, k.split(sizes, 2), v.split(sizes, 2), q.split(sizes, 2))]
+    # Every held block's curve is re-run every refresh_every new blocks (the newcomers' with
+    # them); in between only the newcomers get theirs.
+    fresh = [live.n - live.fresh >= live.refresh_every for live, _ in todo]
+    new = [(live, h, o) for (live, _), h, o, f in zip(todo, h0s, outs, fresh) if not f]
+    if new:
+        curves = first._curve(cat([h for _, h, _ in new], 1), cat([o for _, _, o in new], 2))
+        for (live, _, _), c in zip(new, curves.split([h.shape[1] for _, h, _ in new], 1)):
+            live.curve = torch.cat([live.curve, c], 1)
+    full = [live for (live, _), f in zip(todo, fresh) if f]
+    if full:
+        curves = first._curve(cat([lv.h0 for lv in full], 1), cat([lv.out for lv in full], 2))
+        for live, c in zip(full, curves.split([lv.h0.shape[1] for lv in full], 1)):
+            live.curve, live.fresh = c, live.n
 
 
 def gone_rows(a: dict) -> torch.Tensor:

@@ -194,6 +194,28 @@ class Planner:
         if records and seq.block_size:
             self._check_block_size(seq.block_size)
 
+    def add_arrays(self, request_id: str, a: dict[str, np.ndarray], gone: np.ndarray | None = None,
+                   prompt_tokens: int = 0) -> None:
+        """``add`` of blocks as arrays (compute's FeatureBatch: block, position, age
+        [k]; key_mean [k, L, Hkv, d]; value_norm, attention, reach [k, L, Hkv])."""
+        km = np.shape(a["key_mean"])
+        k = len(a["block"])
+        if k:
+            if len(km) != 4 or km[0] != k or any(np.shape(a[f]) != km[:3] for f in ("value_norm", "attention", "reach")) \
+                    or any(np.shape(a[f]) != (k,) for f in ("position", "age")):
+                raise ValueError(f"features of {k} blocks: key_mean {km}, "
+                                 + ", ".join(f"{f} {np.shape(a[f])}" for f in ("value_norm", "attention", "reach",
+                                                                               "position", "age"))
+                                 + " do not fit [k, L, Hkv, d], [k, L, Hkv] and [k]")
+        seq = self.state.get(request_id)
+        seq.add_many(a)
+        if prompt_tokens > 0:
+            seq.prompt_tokens = int(prompt_tokens)
+        if gone is not None:
+            seq.mark_gone(gone)
+        if k and seq.block_size:
+            self._check_block_size(seq.block_size)
+
     def _check_block_size(self, block_size: int) -> None:
         """Say once per block size when the network was trained on others: at block
         sizes 2 and 4 the default model's estimator (trained on 1 and 16) ranked
@@ -210,21 +232,38 @@ class Planner:
 
     def plan(self, request_id: str) -> Plan:
         """Rank every known block of the sequence, most evictable first."""
-        seq = self.state.get(request_id)
-        scores, scorer = None, None
-        if self.scorers:
-            shape = seq.arrays()["key_mean"].shape[1:]
-            scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens, seq.block_size)
+        return self.plan_many([request_id])[0]
+
+    def plan_many(self, request_ids: list[str]) -> list[Plan]:
+        """``plan`` of several sequences; those one network ranks are scored in one
+        call (LearnedScorer.score_many): a round of plans costs a network pass,
+        not one per sequence. Each plan is what ``plan`` gives alone."""
+        seqs = [self.state.get(rid) for rid in request_ids]
+        chosen, groups = [], {}
+        for seq in seqs:
+            scorer = None
+            if self.scorers:
+                shape = seq.arrays()["key_mean"].shape[1:]
+                scorer = route([s for s in self.scorers if s.compatible(*shape)], seq.prompt_tokens, seq.block_size)
+                if scorer is None and shape not in self._checked:
+                    self._checked.add(shape)
+                    log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
+                                "for such sequences", self.loaded, shape)
+            chosen.append(scorer)
             if scorer is not None:
-                try:
-                    scores = scorer.score(seq)
-                except Exception:  # noqa: BLE001 - a network failure must not cost the plan
+                groups.setdefault(id(scorer), (scorer, []))[1].append(seq)
+        scores = {}
+        for scorer, group in groups.values():
+            try:
+                scores.update(zip(map(id, group), scorer.score_many(group)))
+            except Exception:  # noqa: BLE001 - a network failure must not cost the plans
+                for seq in group:
                     seq.cache.clear()
-                    log.exception("estimator failed on %s; ranking it with the heuristic", request_id)
-            elif shape not in self._checked:
-                self._checked.add(shape)
-                log.warning("estimator %s does not fit features of shape (L, Hkv, d)=%s: using the heuristic "
-                            "for such sequences", self.loaded, shape)
+                log.exception("estimator failed on %s; ranking them with the heuristic",
+                              ", ".join(s.request_id for s in group))
+        return [self._plan_from(seq, scores.get(id(seq)), scorer) for seq, scorer in zip(seqs, chosen)]
+
+    def _plan_from(self, seq, scores, scorer) -> Plan:
         ranker, estimator = "network", scorer.label if scorer is not None else ""
         if scores is None:
             scores, ranker, estimator = self.heuristic.score(seq), "heuristic", ""

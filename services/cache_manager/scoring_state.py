@@ -40,8 +40,8 @@ class SequenceState:
         self.cache: dict = {}                   # a policy's per-sequence memo (the estimator's hidden states)
         self.prompt_tokens = 0                  # the prompt's length, as compute says (0 = unknown)
 
-    def _grow(self, rec: BlockRecord) -> None:
-        cap = max(16, 2 * self.n)
+    def _grow(self, rec: BlockRecord, need: int = 0) -> None:
+        cap = max(16, 2 * self.n, need)
         new = {"block": np.zeros(cap, np.int32), "position": np.zeros(cap, np.int64),
                "age": np.zeros(cap, np.float32)}
         for f in _FIELDS:
@@ -50,6 +50,35 @@ class SequenceState:
         for k, v in self._data.items():
             new[k][: self.n] = v[: self.n]
         self._data = new
+
+    def add_many(self, a: dict[str, np.ndarray]) -> None:
+        """Blocks as arrays (block, position, age [k]; key_mean [k, L, Hkv, d];
+        value_norm, attention, reach [k, L, Hkv]), in one copy per field when
+        they are all new and follow the known ones (a features batch); block by
+        block otherwise (features sent again replace the earlier ones)."""
+        blocks = np.asarray(a["block"])
+        k = len(blocks)
+        if not k:
+            return
+        if self.n and (int(blocks.min()) <= int(self._data["block"][: self.n].max()) or len(set(blocks.tolist())) < k):
+            for j in range(k):
+                self.add(BlockRecord(int(blocks[j]), int(a["position"][j]), int(a["age"][j]),
+                                     *(np.asarray(a[f][j]) for f in _FIELDS)))
+            return
+        first = BlockRecord(int(blocks[0]), int(a["position"][0]), int(a["age"][0]), *(np.asarray(a[f][0]) for f in _FIELDS))
+        if self._data:
+            for f in _FIELDS:
+                if getattr(first, f).shape != self._data[f].shape[1:]:
+                    raise ValueError(f"block {first.block}: {f} shape {getattr(first, f).shape} differs from "
+                                     f"earlier blocks of {self.request_id} {self._data[f].shape[1:]}")
+        while not self._data or self.n + k > len(self._data["block"]):
+            self._grow(first, self.n + k)
+        d, lo, hi = self._data, self.n, self.n + k
+        d["block"][lo:hi], d["position"][lo:hi], d["age"][lo:hi] = blocks, a["position"], a["age"]
+        for f in _FIELDS:
+            d[f][lo:hi] = a[f]
+        self._row.update(zip(blocks.tolist(), range(lo, hi)))
+        self.n = hi
 
     def add(self, rec: BlockRecord) -> None:
         if self._data:

@@ -34,6 +34,32 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("kvpop.cache_manager")
 
 
+# Most new blocks one network call folds in: decode batches (a page's worth each) of many
+# sequences share a call, while a prompt chunk (hundreds of blocks) goes on its own, so the
+# plans answered first do not wait for every prompt of the round.
+GROUP_BLOCKS = 256
+
+
+def _num_blocks(batch: pb.FeaturesBatch) -> int:
+    return len(batch.blocks) + (int(batch.arrays.block.shape[0]) if batch.HasField("arrays") and
+                                batch.arrays.block.shape else 0)
+
+
+def _groups(due: dict) -> list[list]:
+    """The round's due sequences, fewest new blocks first (a decoding sequence's plan
+    does not wait behind prompt chunks), in groups of at most GROUP_BLOCKS new
+    blocks (a larger batch alone)."""
+    groups, size = [], 0
+    for item in sorted(due.items(), key=lambda item: item[1][2]):
+        blocks = item[1][2]
+        if not groups or size + blocks > GROUP_BLOCKS:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += blocks
+    return groups
+
+
 class CacheManagerServicer(pb_grpc.CacheManagerServicer):
     def __init__(self, cfg: CacheManagerConfig):
         self.cfg = cfg
@@ -73,18 +99,28 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                reach=from_float_array(b.reach) if b.HasField("reach") else None)
                    for b in batch.blocks]
         gone = from_int_array(batch.gone) if batch.HasField("gone") else None
-        self.planner.add(batch.request_id, records, gone, batch.prompt_tokens)
+        self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone, batch.prompt_tokens)
+        if batch.HasField("arrays"):
+            a = batch.arrays
+            self.planner.add_arrays(batch.request_id, {
+                "block": from_int_array(a.block), "position": from_int_array(a.position), "age": from_int_array(a.age),
+                "key_mean": from_float_array(a.key_mean), "value_norm": from_float_array(a.value_norm),
+                "attention": from_float_array(a.attention), "reach": from_float_array(a.reach)}, gone, batch.prompt_tokens)
 
-    def _plan(self, request_id: str) -> pb.AdvisorReply:
-        plan = self.planner.plan(request_id)
-        self.plans_sent += 1
-        return pb.AdvisorReply(plan=pb.EvictionPlan(request_id=request_id, evict=to_int_array(plan.evict),
-                                                    covers=plan.covers, ranker=plan.ranker,
-                                                    estimator=plan.estimator))
+    def _plans(self, request_ids: list[str]) -> list[pb.AdvisorReply]:
+        """One network call for every sequence due in the round (Planner.plan_many)."""
+        with get_metrics().scoring_latency.time():
+            plans = self.planner.plan_many(request_ids)
+        self.plans_sent += len(plans)
+        return [pb.AdvisorReply(plan=pb.EvictionPlan(request_id=rid, evict=to_int_array(plan.evict),
+                                                     covers=plan.covers, ranker=plan.ranker,
+                                                     estimator=plan.estimator))
+                for rid, plan in zip(request_ids, plans)]
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
         """Messages are read by a task into a queue; each round folds every
-        message waiting and answers once per sequence with its newest plan.
+        message waiting and answers once per sequence with its newest plan,
+        the round's sequences scored in few network calls (``_groups``).
         A backlog (many sequences, a slow network) thus costs one plan per
         sequence per round, never one per message, so plans do not fall
         further and further behind the features they answer."""
@@ -130,19 +166,20 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                     seen.add(rid)
                     _, n, blocks = parts.pop(rid, None) or due.pop(rid, None) or (None, 0, 0)
                     # A part with more to come is folded, but planned only with its batch's last part.
-                    (parts if msg.features.more else due)[rid] = (msg, n + 1, blocks + len(msg.features.blocks))
-                for rid, (msg, n, blocks) in due.items():
-                    parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
-                    with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
-                        span.set_attribute("kvpop.request_id", rid)
-                        span.set_attribute("kvpop.blocks", blocks)
-                        span.set_attribute("kvpop.messages", n)
-                        with get_metrics().scoring_latency.time():
-                            reply = self._plan(rid)
-                        span.set_attribute("kvpop.ranker", reply.plan.ranker)
-                        span.set_attribute("kvpop.estimator", reply.plan.estimator)
-                    get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
-                    yield reply
+                    (parts if msg.features.more else due)[rid] = (msg, n + 1, blocks + _num_blocks(msg.features))
+                for group in _groups(due):
+                    replies = self._plans([rid for rid, _ in group])
+                    for (rid, (msg, n, blocks)), reply in zip(group, replies):
+                        parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
+                        with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
+                            span.set_attribute("kvpop.request_id", rid)
+                            span.set_attribute("kvpop.blocks", blocks)
+                            span.set_attribute("kvpop.messages", n)
+                            span.set_attribute("kvpop.planned_with", len(replies))
+                            span.set_attribute("kvpop.ranker", reply.plan.ranker)
+                            span.set_attribute("kvpop.estimator", reply.plan.estimator)
+                        get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
+                        yield reply
                 if self.planner.reads != told:      # a reload changed what the networks read
                     told = self.planner.reads
                     yield pb.AdvisorReply(inputs=pb.AdvisorInputs(reads=told))

@@ -47,6 +47,65 @@ class BlockFeatures:
 
 
 @dataclass
+class FeatureBatch:
+    """Features of ``k`` blocks of one sequence, one row-aligned tensor per
+    field (block order): what compute hands an advisor. An object per block
+    was a few tensor views, numpy copies and a protobuf message per token on
+    the step path at block size 1. Iterating gives BlockFeatures, for an
+    advisor that takes blocks one by one."""
+    request_id: str
+    block: torch.Tensor           # [k] int64 logical block numbers
+    position: torch.Tensor        # [k] first token position
+    age: torch.Tensor             # [k] tokens since the block's first position
+    key_mean: torch.Tensor        # [k, L, Hkv, d]
+    value_norm: torch.Tensor      # [k, L, Hkv]
+    attention: torch.Tensor       # [k, L, Hkv]
+    reach: torch.Tensor           # [k, L, Hkv]
+    prompt_tokens: int = 0
+
+    FIELDS = ("block", "position", "age", "key_mean", "value_norm", "attention", "reach")
+
+    def __len__(self) -> int:
+        return len(self.block)
+
+    def __iter__(self):
+        for j, b in enumerate(self.block.tolist()):
+            yield BlockFeatures(self.request_id, b, int(self.position[j]), self.key_mean[j], self.value_norm[j],
+                                self.attention[j], int(self.age[j]), self.prompt_tokens, self.reach[j])
+
+    def part(self, lo: int, hi: int) -> "FeatureBatch":
+        return FeatureBatch(self.request_id, *(getattr(self, f)[lo:hi] for f in self.FIELDS), self.prompt_tokens)
+
+    @staticmethod
+    def cat(batches: list["FeatureBatch"]) -> "FeatureBatch":
+        """One sequence's batches, in order, as one."""
+        if len(batches) == 1:
+            return batches[0]
+        b = batches[0]
+        return FeatureBatch(b.request_id, *(torch.cat([getattr(x, f) for x in batches]) for f in FeatureBatch.FIELDS),
+                            b.prompt_tokens)
+
+    @staticmethod
+    def pack(features) -> list["FeatureBatch"]:
+        """A FeatureBatch, or BlockFeatures of any sequences -> one batch per sequence."""
+        if isinstance(features, FeatureBatch):
+            return [features] if len(features) else []
+        by_request: dict[str, list[BlockFeatures]] = {}
+        for f in features:
+            by_request.setdefault(f.request_id, []).append(f)
+        out = []
+        for rid, fs in by_request.items():
+            f0 = fs[0]
+            out.append(FeatureBatch(
+                rid, torch.tensor([f.block for f in fs]), torch.tensor([f.position for f in fs]),
+                torch.tensor([f.age for f in fs]), torch.stack([f.key_mean.float() for f in fs]),
+                torch.stack([f.value_norm.float() for f in fs]), torch.stack([f.attention.float() for f in fs]),
+                torch.stack([(torch.zeros_like(f.attention) if f.reach is None else f.reach).float() for f in fs]),
+                f0.prompt_tokens))
+        return out
+
+
+@dataclass
 class EvictionPlan:
     request_id: str
     evict: torch.Tensor | None    # [L, Hkv, k] logical block numbers, most evictable first (-1 = pad)
@@ -114,8 +173,9 @@ class EvictionAdvisor(Protocol):
     on_plan: Callable[[], None] | None   # set by the engine's loop: called (any thread) when a plan arrives
     reads_reach: bool             # its networks read BlockFeatures.reach (False: compute need not measure it)
 
-    def submit(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
-        """Features of one sequence's blocks; ``gone`` [L, Hkv, k]: blocks its rows
-        evicted since its last submit (-1 pads), for plans to rank last."""
+    def submit(self, features: FeatureBatch | list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
+        """Features of one sequence's blocks (compute sends a FeatureBatch); ``gone``
+        [L, Hkv, k]: blocks its rows evicted since its last submit (-1 pads), for
+        plans to rank last."""
     def take_plans(self) -> dict[str, EvictionPlan]: ...
     def release(self, request_id: str) -> None: ...

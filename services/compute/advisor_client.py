@@ -25,7 +25,7 @@ from kvpop.runtime.metrics import get_metrics
 from kvpop.runtime.arrays import from_int_array, to_float_array, to_int_array
 from kvpop.runtime.pb import cache_manager_pb2 as pb
 from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc
-from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, PlanMailbox
+from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, FeatureBatch, PlanMailbox
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class AdvisorClient:
         with self._lock:
             self._contexts.pop(request_id, None)
 
-    def submit(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
+    def submit(self, features: FeatureBatch | list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
         self.loop.call_soon_threadsafe(self._enqueue_features, features, gone)
 
     def take_plans(self) -> dict[str, EvictionPlan]:
@@ -104,35 +104,34 @@ class AdvisorClient:
         self._outbox.append(msg)
         self._wake.set()
 
-    def _enqueue_features(self, features: list[BlockFeatures], gone: torch.Tensor | None = None) -> None:
-        by_request: dict[str, list[BlockFeatures]] = {}
-        for f in features:
-            by_request.setdefault(f.request_id, []).append(f)
-        for rid, feats in by_request.items():
+    def _enqueue_features(self, features, gone: torch.Tensor | None = None) -> None:
+        for batch in FeatureBatch.pack(features):
+            rid = batch.request_id
             with self._lock:
                 ctx = self._contexts.get(rid, {})
-            per_block = 4 * (feats[0].key_mean.numel() + 3 * feats[0].value_norm.numel())
+            k = len(batch)
+            per_block = 4 * (batch.key_mean[0].numel() + 3 * batch.value_norm[0].numel())
             step = max(1, MAX_PART_BYTES // per_block)
-            parts = [feats[i:i + step] for i in range(0, len(feats), step)]
-            if gone is not None and 4 * gone.numel() + per_block * len(parts[0]) > MAX_PART_BYTES:
-                parts.insert(0, [])     # a long context's evicted-block list travels in a part of its own
-            for i, part in enumerate(parts):
-                batch = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1,
-                                         prompt_tokens=feats[0].prompt_tokens, blocks=[pb.BlockFeatures(
-                    block=f.block, position=f.position, age=f.age,
-                    key_mean=to_float_array(f.key_mean.float().numpy()),
-                    value_norm=to_float_array(f.value_norm.float().numpy()),
-                    attention=to_float_array(f.attention.float().numpy()),
-                    reach=to_float_array((torch.zeros_like(f.attention) if f.reach is None else f.reach)
-                                         .float().numpy())) for f in part])
+            parts = [(i, min(k, i + step)) for i in range(0, k, step)]
+            if gone is not None and 4 * gone.numel() + per_block * (parts[0][1] - parts[0][0]) > MAX_PART_BYTES:
+                parts.insert(0, (0, 0))     # a long context's evicted-block list travels in a part of its own
+            ints = lambda t: to_int_array(t.numpy())
+            floats = lambda t: to_float_array(t.float().numpy())
+            for i, (lo, hi) in enumerate(parts):
+                part = batch.part(lo, hi)
+                msg = pb.FeaturesBatch(request_id=rid, more=i < len(parts) - 1, prompt_tokens=batch.prompt_tokens)
+                if hi > lo:
+                    msg.arrays.CopyFrom(pb.BlockArrays(
+                        block=ints(part.block), position=ints(part.position), age=ints(part.age),
+                        key_mean=floats(part.key_mean), value_norm=floats(part.value_norm),
+                        attention=floats(part.attention), reach=floats(part.reach)))
                 if gone is not None and i == 0:
-                    batch.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
-                self._enqueue(pb.AdvisorMessage(features=batch, traceparent=ctx.get("traceparent", ""),
+                    msg.gone.CopyFrom(to_int_array(gone.numpy().astype("int32")))
+                self._enqueue(pb.AdvisorMessage(features=msg, traceparent=ctx.get("traceparent", ""),
                                                 tracestate=ctx.get("tracestate", "")))
             if self.connected:
-                self._sent_at.setdefault(rid, deque(maxlen=256)).append(
-                    (max(f.block for f in feats) + 1, time.monotonic()))
-            self.stats["features_sent"] += len(feats)
+                self._sent_at.setdefault(rid, deque(maxlen=256)).append((int(batch.block.max()) + 1, time.monotonic()))
+            self.stats["features_sent"] += k
 
     async def _requests(self, outbox: deque, wake: asyncio.Event):
         # Its own outbox per stream: a broken stream's iterator may live on in

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvkernels import ops
-from services.compute.advisor import BlockFeatures
+from services.compute.advisor import FeatureBatch
 from services.compute.kv_pool import KVPool
 from services.compute.sequence import Sequence
 
@@ -51,9 +51,9 @@ def blocks_leaving(seq: Sequence, every: int = 1) -> range:
     return range(start, upto)
 
 
-def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFeatures]]:
-    """Features of the blocks ``blocks_leaving`` named, one list per entry
-    (empty for an empty range). They are resident in every row (never evicted
+def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[FeatureBatch | None]:
+    """Features of the blocks ``blocks_leaving`` named, one batch per entry
+    (None for an empty range). They are resident in every row (never evicted
     while protected); each row finds a block at the number of its blocks older
     than it. One copy to the host for every sequence: a copy per field per
     block was a GPU sync each."""
@@ -74,15 +74,19 @@ def leaving_features(leaving: list[tuple[Sequence, range]]) -> list[list[BlockFe
     host = torch.cat(packed).cpu() if packed else None
     out, at = [], 0
     for seq, r in leaving:
+        if not len(r):
+            out.append(None)
+            continue
         L, H, d, bs, n = seq.num_layers, seq.num_kv_heads, seq.head_dim, seq.block_size, seq.num_cached
-        rows = host[at:at + len(r)].view(len(r), L, H, d + 3) if len(r) else []
+        x = host[at:at + len(r)].view(len(r), L, H, d + 3)
         at += len(r)
-        out.append([BlockFeatures(seq.request_id, b, b * bs, x[..., :d], x[..., d], x[..., d + 1], n - b * bs,
-                                  seq.num_prompt, x[..., d + 2]) for b, x in zip(r, rows)])
+        block = torch.arange(r.start, r.stop)
+        out.append(FeatureBatch(seq.request_id, block, block * bs, n - block * bs, x[..., :d], x[..., d],
+                                x[..., d + 1], x[..., d + 2], seq.num_prompt))
     return out
 
 
-def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
+def resident_block_features(seq: Sequence) -> FeatureBatch | None:
     """Features of every evictable block already sent, for an advisor that
     lost them (it restarted, or a session's next turn has a new request id).
     Rows that evicted a block get zeros for it; compute ignores plans' names
@@ -91,7 +95,7 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     upto = seq.sent_upto
     first = st.sink_blocks
     if upto <= first:
-        return []
+        return None
     L, H, NB = seq.block_index.shape
     span = upto - first
     idx = (seq.block_index.long() - first)
@@ -103,7 +107,7 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     att = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.acc_mass.float())
     reach = torch.zeros(L, H, span + 1, device=dev).scatter_(2, idx, seq.reach.float())
     held = torch.zeros(L, H, span + 1, dtype=torch.bool, device=dev).scatter_(2, idx, ok)
-    present = held[..., :span].any(0).any(0).nonzero().flatten().tolist()
+    present = held[..., :span].any(0).any(0).nonzero().flatten().cpu()
     # What each row no longer holds, for the advisor to rank last (-1 pads the rows).
     lost = ~held[..., :span]
     k = int(lost.sum(-1).max()) if lost.numel() else 0
@@ -111,6 +115,9 @@ def resident_block_features(seq: Sequence) -> list[BlockFeatures]:
     order = lost.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]
     gone = torch.where(lost.gather(2, order), names.gather(2, order), torch.full_like(order, -1))
     seq.gone = [gone.to(torch.int32).cpu()] if k else []
-    km, vn, att, reach = km.cpu(), vn.cpu(), att.cpu(), reach.cpu()
-    return [BlockFeatures(seq.request_id, first + j, (first + j) * bs, km[:, :, j], vn[:, :, j], att[:, :, j],
-                          n - (first + j) * bs, seq.num_prompt, reach[:, :, j]) for j in present]
+    if not len(present):
+        return None
+    pick = lambda t: t.cpu()[:, :, present].movedim(2, 0)                 # [k, L, Hkv (, d)]
+    block = first + present
+    return FeatureBatch(seq.request_id, block, block * bs, n - block * bs, pick(km), pick(vn), pick(att),
+                        pick(reach), seq.num_prompt)

@@ -72,6 +72,13 @@ class EngineConfig:
     # served evictions are exactly the in-process ones (deterministic: the eval measures
     # what is served); True lets it decode within its slack while the plan comes.
     pipeline_decode_plans: bool = False
+    # Blocks a budgeted row may run over its budget before a round evicts them all
+    # (None: one page less one block, so a row stays within one page over its
+    # budget's pages; never more than an eighth of the budget: budget.py). Rounds then run once a page's worth of tokens came, not at
+    # every step, and a learned sequence's features go with the round that needs a
+    # plan: one network call per page, not per plan interval. 0: a round whenever a
+    # row is over (every step at block size 1).
+    round_slack: int | None = None
     fallback_policy: str = "h2o"          # local ranking for "learned" when no plan can be used
     prefix_cache_fraction: float = 0.1    # most of the pool the prefix cache may hold (0 = off)
     session_ttl_s: float = 600.0          # a parked session idle this long is dropped
@@ -131,6 +138,9 @@ class LLMEngine:
         if config.block_size < 1 or config.page_size < 1:
             raise ValueError(f"block_size ({config.block_size}) and page_size ({config.page_size}) must be >= 1")
         self.page_size = page = page_tokens(config.block_size, config.page_size)
+        if config.round_slack is not None and config.round_slack < 0:
+            raise ValueError(f"round_slack ({config.round_slack}) must be >= 0 (blocks)")
+        self.round_slack = page // config.block_size - 1 if config.round_slack is None else config.round_slack
         if config.num_pages is not None:
             self.pool = KVPool(config.num_pages, page, mc.head_dim, model.dtype, model.device)
         else:
@@ -186,7 +196,7 @@ class LLMEngine:
         c, mc = self.config, self.model.config
         state = resolve_eviction(eviction, block_size=c.block_size, prompt_len=len(prompt),
                                  max_tokens=sampling.max_tokens, plan_slack_blocks=c.plan_slack_blocks,
-                                 cleanup_floor=c.cleanup_floor)
+                                 cleanup_floor=c.cleanup_floor, round_slack=self.round_slack)
         seq = Sequence(request_id, prompt, sampling, state, mc.num_layers, mc.num_kv_heads,
                        mc.head_dim, c.block_size, self.model.device, self.page_size // c.block_size)
         seq.policy = get_policy(c.fallback_policy if state.policy == LEARNED else state.policy)

@@ -193,15 +193,22 @@ def compact_pages(seqs: list[Sequence], keep: torch.Tensor, left: list[int], cho
         s.page_table = t
 
 
-def overshoot(seq: Sequence) -> int:
+def overshoot(seq: Sequence, now: bool = False) -> int:
     """Blocks per row over the budget, leaving room for the block the next
-    decode step may open (0 for dense sequences)."""
+    decode step may open (0 for dense sequences). A decoding row runs up to
+    ``round_slack`` blocks over before it counts (0 until then), so a round
+    evicts a page's worth at once: per-step rounds of one token each were a
+    sort, a gather per statistic and a compaction per step. Prefill has no
+    slack: a chunk's round brings the rows back at once, so the peak stays the
+    budget plus one chunk. ``now``: every block over counts (the pool needs
+    the pages: cleanup)."""
     st = seq.eviction
     if st.budget_blocks is None:
         return 0
     n, bs = seq.num_cached, seq.block_size
     target = st.target_blocks(seq.in_prefill) - (1 if not seq.in_prefill and n % bs == 0 else 0)
-    return max(0, seq.num_blocks - target)
+    over = seq.num_blocks - target
+    return max(0, over) if now or seq.in_prefill or over > st.round_slack else 0
 
 
 def plan_problem(seq: Sequence) -> str:
@@ -226,11 +233,11 @@ def usable_plan(seq: Sequence) -> EvictionPlan | None:
 
 
 def eviction_round(seq: Sequence, pool: KVPool, plan: EvictionPlan | None = None, reason: str = "") -> None:
-    """Bring every row back to its budget now. A heuristic policy ranks with
+    """Bring every row back to its budget now (its round slack too). A heuristic policy ranks with
     its own scores; a ``learned`` sequence with ``plan`` (the advisor's
     ranking), or with its fallback policy counted under ``reason``. When to
     run a learned round (wait for a plan or not) is the engine's decision."""
-    over = overshoot(seq)
+    over = overshoot(seq, now=True)
     if over > 0:
         evict_rounds([Round(seq, over, plan, reason)], pool)
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor
+from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor, FeatureBatch
 from services.compute.block_features import (blocks_leaving, leaving_features, resident_block_features,
                                              update_features)
 from services.compute.eviction import Round, evict_rounds, overshoot, plan_problem, usable_plan
@@ -22,6 +22,12 @@ from services.compute.scheduler import Scheduler
 from services.compute.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+def posted_upto(seq: Sequence) -> int:
+    """One past the highest block submitted to the advisor (``sent_upto`` less
+    the batches still waiting for a round)."""
+    return int(seq.unsent[0].block[0]) if seq.unsent else seq.sent_upto
 
 
 class EvictionRounds:
@@ -70,7 +76,7 @@ class EvictionRounds:
                 if problem:
                     self.counters[f"plans_dropped/{problem}"] += 1
                     seq.plan_counted = True
-                elif plan.covers < seq.sent_upto:
+                elif plan.covers < posted_upto(seq):
                     # Ranks fewer blocks than were sent since: a round needs a newer one.
                     self.counters["plans_late/stale"] += 1
                     seq.plan_counted = True
@@ -90,6 +96,7 @@ class EvictionRounds:
         if seq.advisor_epoch == epoch:
             return
         seq.advisor_epoch = epoch
+        seq.unsent = []     # among the resident ones sent now
         feats = resident_block_features(seq)
         if feats:
             seq.submitted_at[seq.sent_upto] = self.counters["steps"]
@@ -129,18 +136,28 @@ class EvictionRounds:
                 self._sync(seq)
             leaving = [(seq, blocks_leaving(seq, self._plan_every(seq))) for seq in learned]
             for (seq, _), feats in zip(leaving, leaving_features(leaving)):
-                if not feats:
-                    continue
-                if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
-                    seq.submitted_at.clear()
-                seq.submitted_at[seq.sent_upto] = self.counters["steps"]
-                self.advise(self.advisor.submit, feats, self._take_gone(seq))
+                if feats is not None:
+                    seq.unsent.append(feats)
+                # With a round slack only a round needs a plan: batches wait for it (their
+                # features as taken now) and go together, planned once. A sequence whose
+                # wait ran out sends each batch at once until a plan is in time again.
+                if seq.unsent and (not seq.eviction.round_slack or overshoot(seq) > 0 or seq.plan_gave_up):
+                    self._post(seq)
         else:
             for seq in learned:
                 blocks_leaving(seq)   # advances sent_upto: re-sent in full when the advisor is back
+                seq.unsent = []
         now = time.monotonic()
         for seq in learned:
             self._learned_round(seq, now)
+
+    def _post(self, seq: Sequence) -> None:
+        """Submit the sequence's features not yet sent (a plan answers them)."""
+        if len(seq.submitted_at) > 256:   # plans stopped coming: keep the bookkeeping bounded
+            seq.submitted_at.clear()
+        seq.submitted_at[seq.sent_upto] = self.counters["steps"]
+        feats, seq.unsent = FeatureBatch.cat(seq.unsent), []
+        self.advise(self.advisor.submit, feats, self._take_gone(seq))
 
     def _plan_every(self, seq: Sequence) -> int:
         """Blocks per features batch: the plan interval's, or 1 (send now) when
@@ -164,10 +181,10 @@ class EvictionRounds:
         over = overshoot(seq)
         plan = usable_plan(seq)
         if over <= 0:
-            # Lockstep: every features batch is planned before the sequence runs on,
-            # as in process, so the network sees the same batches served or not.
+            # Lockstep: every submitted features batch is planned before the sequence
+            # runs on, as in process, so the network sees the same batches served or not.
             if (plan is None and not self.config.pipeline_decode_plans and self.advisor_up() and not seq.plan_gave_up
-                    and seq.sent_upto > max(seq.eviction.sink_blocks, getattr(seq.pending_plan, "covers", 0))
+                    and posted_upto(seq) > max(seq.eviction.sink_blocks, getattr(seq.pending_plan, "covers", 0))
                     and not plan_problem(seq)):
                 if seq.plan_wait_since is None:
                     seq.plan_wait_since = now
@@ -186,9 +203,17 @@ class EvictionRounds:
             return
         reason = plan_problem(seq) or ("" if self.advisor_up() else ADVISOR_DOWN)
         if not reason and seq.plan_gave_up:
+            if seq.pending_plan is not None:
+                # Behind, not stuck: the plan in hand ranks every block it covers (the newer
+                # ones are kept, or counted unranked if the round needs them).
+                self._queue(seq, seq.pending_plan, "")
+                return
             reason = NO_PLAN    # a live but stuck advisor stalls a sequence once, not every round
         if not reason:
-            if self.config.pipeline_decode_plans and over <= seq.eviction.slack_blocks and not seq.in_prefill:
+            if seq.unsent:
+                self._post(seq)              # the round needs a plan: the waiting batches go now
+            if (self.config.pipeline_decode_plans and over <= seq.eviction.round_slack + seq.eviction.slack_blocks
+                    and not seq.in_prefill):
                 return                       # pipelined: the plan has a few decode steps to come
             if seq.plan_wait_since is None:
                 seq.plan_wait_since = now    # held from the next schedule on

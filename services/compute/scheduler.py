@@ -75,9 +75,10 @@ class Scheduler:
 
     @staticmethod
     def budget_blocks(seq: Sequence) -> int:
-        """The budget, the decode slack of a learned sequence, and the block a decode step opens."""
+        """The budget, the round slack, the decode slack of a learned sequence,
+        and the block a decode step opens."""
         st = seq.eviction
-        return min(Scheduler.dense_blocks(seq), st.budget_blocks + st.slack_blocks + 1)
+        return min(Scheduler.dense_blocks(seq), st.budget_blocks + st.round_slack + st.slack_blocks + 1)
 
     @staticmethod
     def base_blocks(seq: Sequence) -> int:

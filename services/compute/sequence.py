@@ -48,6 +48,10 @@ class EvictionState:
     sink_blocks: int
     recent: int                    # tokens
     slack_blocks: int = 0          # learned only: overrun allowed while waiting for a plan
+    # Blocks a row may hold over its budget between rounds: a round runs once a
+    # row is this far over and evicts all of it (a page's worth at once, not a
+    # token per step: eviction.overshoot). 0: every step brings rows back.
+    round_slack: int = 0
     # The budget holds from the end of the prompt on: the prompt is prefilled
     # in full (its pages reserved), then one round evicts it down (kvpress-style).
     after_prompt: bool = False
@@ -97,6 +101,9 @@ class Sequence:
     fallback_warned: bool = False
     plan_gave_up: bool = False     # its last wait ran out: no more waits until a plan comes
     gone: list = field(default_factory=list)     # learned: [L, Hkv, k] blocks evicted since the last submit
+    # learned: FeatureBatches taken (sent_upto counts them) but not yet submitted:
+    # with round_slack, batches wait for the round that needs a plan and go with it
+    unsent: list = field(default_factory=list)
     # set by the engine
     policy: object | None = None   # Policy that ranks blocks (the fallback for "learned")
     generator: object | None = None

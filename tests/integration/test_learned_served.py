@@ -145,8 +145,9 @@ def test_cache_manager_killed_then_restarted(served, gateway):
     assert u.network_evictions > 0, u      # the network planned for this stream before the kill
     assert u.fallback_reasons.get("advisor_down", 0) > 0, u
     m = compute_info(served).model
-    assert u.kv_blocks_resident <= (int(0.25 * (len(text.split()) + 401)) // m.block_size + 3) \
-        * m.num_layers * m.num_kv_heads, u
+    # The budget, a few protected blocks, and the round slack (one page less one block).
+    assert u.kv_blocks_resident <= (int(0.25 * (len(text.split()) + 401)) // m.block_size + 3
+                                    + m.page_size // m.block_size - 1) * m.num_layers * m.num_kv_heads, u
     got = wait_metrics(served, before, u.kv_blocks_evicted)
     assert got.get(("fallback", "advisor_down"), 0) > 0, got
     assert not compute_info(served).advisor_connected

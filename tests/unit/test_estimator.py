@@ -627,3 +627,38 @@ def test_needed_blocks_are_the_blocks_of_the_answers_depends():
     ex = {"depends": np.array([3, 17, 18]), "block_size": 16}
     assert needed_blocks(ex, np.array([0, 1, 2])).tolist() == [True, True, False]
     assert not needed_blocks({"block_size": 16}, np.array([0, 1])).any()
+
+
+@pytest.mark.parametrize("kw", [{}, {"cross_rows": True, "reach": True, "prev_block": True}])
+def test_sequences_scored_together_score_as_each_alone(kw):
+    """score_many (one network call for every sequence due in a round) gives each
+    sequence bit for bit the scores it gets scored alone, whichever sequences
+    share its calls: served plans must not depend on what else was due."""
+    net = _net(**kw)
+    net.cfg.rescore_every = 4
+    together, alone = LearnedScorer(net), LearnedScorer(net)
+    names = ["a", "b", "c"]
+    arrays = {rid: _arrays(70, seed=i) for i, rid in enumerate(names)}
+    for rid in names:
+        arrays[rid]["reach"] = np.random.default_rng(9).random((70, L, H)).astype(np.float32)
+    states = {side: {rid: ScoringState().get(rid) for rid in names} for side in ("together", "alone")}
+    known, rng = dict.fromkeys(names, 0), np.random.default_rng(5)
+    for step in range(12):
+        # A round's due sequences change from round to round, and so do their bursts.
+        due = [rid for rid in names if rng.random() < 0.7] or ["a"]
+        for rid in due:
+            burst = int(rng.choice([1, 3, 8, 20]))
+            a, lo = arrays[rid], known[rid]
+            recs = [BlockRecord(int(a["block"][i]), int(a["position"][i]), int(a["age"][i]), a["key_mean"][i],
+                                a["value_norm"][i], a["attention"][i], a["reach"][i]) for i in range(lo, min(70, lo + burst))]
+            known[rid] = min(70, lo + burst)
+            gone = np.full((L, H, 2), -1, np.int32)
+            if lo > 4:
+                gone[..., 0] = rng.integers(1, lo, size=(L, H))
+            for side in states:
+                for r in recs:
+                    states[side][rid].add(r)
+                states[side][rid].mark_gone(gone)
+        got = together.score_many([states["together"][rid] for rid in due])
+        for rid, g in zip(due, got):
+            np.testing.assert_array_equal(g, alone.score(states["alone"][rid]))

@@ -234,7 +234,10 @@ def test_decode_plans_come_once_per_plan_interval(interval, budget):
     recent 8 leave 3 blocks a plan can name) sends sooner, never unranked."""
     prompt = random_prompt(60, seed=5)
     adv = _Counting(model=_net(1))
-    tokens, peak, usage = _run_learned(adv, prompt, budget=budget, block_size=1, plan_interval=interval)
+    # round_slack 0: a round at every step, so each batch is planned as it goes (with a
+    # slack, batches wait for the round: test_paged_compaction's page rounds).
+    tokens, peak, usage = _run_learned(adv, prompt, budget=budget, block_size=1, plan_interval=interval,
+                                       round_slack=0)
     assert len(tokens) == 40 and usage.kv_blocks_evicted > 0
     assert usage.network_evictions == usage.kv_blocks_evicted
     assert peak <= 60                                  # the prompt (one chunk), then the budget

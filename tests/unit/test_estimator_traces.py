@@ -167,8 +167,9 @@ def test_trace_features_are_what_the_engine_streams(interval):
     model = tiny_model(seed=5)
     rec = Recording()
     # It never plans: pipelined, the sequence does not wait for plans (nothing is evicted anyway).
+    # round_slack 0: every batch goes as it is taken (with a slack, batches wait for a round).
     eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True,
-                      plan_interval=interval)
+                      plan_interval=interval, round_slack=0)
     prompt = random_prompt(37, seed=2)
     # budget = the whole request: nothing is evicted, so compute's statistics are the dense ones.
     eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
@@ -242,7 +243,7 @@ def test_reach_is_measured_only_while_the_advisor_reads_it():
         rec = Recording()
         rec.reads_reach = reads
         eng = tiny_engine(model, advisor=rec, block_size=4, prefill_chunk=16, pipeline_decode_plans=True,
-                          plan_interval=1)
+                          plan_interval=1, round_slack=0)
         eng.add_request("r", prompt, SamplingParams(max_tokens=20, ignore_eos=True),
                         EvictionParams("learned", budget=1.0, sink=4, recent=8))
         tokens = [o.token_id for o in run_all(eng)["r"]]

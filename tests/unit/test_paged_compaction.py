@@ -93,10 +93,11 @@ def model():
     return tiny_model(seed=11)
 
 
-def _serve(model, page_size, policy, prompts, budget, block_size=1, session=None, **protocol):
+def _serve(model, page_size, policy, prompts, budget, block_size=1, session=None, round_slack=0, **protocol):
+    # round_slack=0: a round whenever a row is over, at any page size (the pages alone compared).
     advisor = ScriptedAdvisor() if policy == "learned" else None
     engine = tiny_engine(model, advisor=advisor, block_size=block_size, page_size=page_size, num_pages=20000,
-                         prefill_chunk=24)
+                         prefill_chunk=24, round_slack=round_slack)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = {}
     for i, p in enumerate(prompts):
@@ -141,8 +142,10 @@ def test_every_protocol_decides_as_pages_of_one_token(model, policy, protocol):
 
 def test_peak_is_the_budget_plus_one_chunk_and_pages_come_back(model):
     """Held during prefill, a row's pages never exceed those of its budget plus
-    one prompt chunk (the pool's own accounting), they drop back to the budget's
-    pages at each round, and every page returns at the end."""
+    one prompt chunk (the pool's own accounting); after the prompt a row runs at
+    most one page less one token over its budget (the round slack) before a
+    round brings it back, so it holds at most one page more than its budget's;
+    every page returns at the end."""
     chunk, budget, prompt = 24, 40, 150
     engine = tiny_engine(model, block_size=1, page_size=16, num_pages=2000, prefill_chunk=chunk)
     rows = engine.scheduler.rows
@@ -156,8 +159,10 @@ def test_peak_is_the_budget_plus_one_chunk_and_pages_come_back(model):
             seen.append(engine.pool.num_used)
     assert max(seen) <= math.ceil((budget + chunk) / 16) * rows
     assert engine.pool.peak_used <= math.ceil((budget + chunk) / 16) * rows
-    # After the prompt the rows are back within the budget's pages at every step.
-    assert seen[-1] <= math.ceil(budget / 16) * rows
+    # After the prompt the rows stay within the budget's pages plus one at every step.
+    decode = seen[-30:]
+    assert max(decode) <= math.ceil((budget + 15) / 16) * rows
+    assert min(decode) <= math.ceil(budget / 16) * rows      # and a round brings them back to the budget's
     assert engine.pool.num_used == 0
 
 
@@ -208,3 +213,48 @@ def test_the_kernel_path_over_blocks_decides_as_the_torch_path(model, policy):
         return {r: ([o.token_id for o in o_], o_[-1].usage) for r, o_ in run_all(engine).items()}
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "learned"])
+def test_rounds_evict_a_page_at_once_within_the_round_slack(model, policy):
+    """At the defaults (1-token blocks in 16-token pages) a decoding row runs up
+    to 15 tokens over its budget (an eighth of it at most) and a round then
+    evicts all of them: a round per 16 decoded tokens, not per token. The row never holds more, and a
+    learned sequence's plans come once per round, each ranking every block
+    sent."""
+    budget, new = 128, 64      # an eighth of the budget is a page: the round slack is a page less one
+    advisor = ScriptedAdvisor() if policy == "learned" else None
+    engine = tiny_engine(model, advisor=advisor, block_size=1, page_size=16, num_pages=20000, prefill_chunk=24)
+    engine.add_request("r", random_prompt(180, seed=5), SamplingParams(max_tokens=new, ignore_eos=True),
+                       EvictionParams(policy, budget=budget, sink=4, recent=8))
+    held, rounds = [], []
+    while engine.has_unfinished():
+        engine.step()
+        check_invariants(engine)
+        seq = engine.seqs.get("r")
+        if seq is not None and not seq.in_prefill and not seq.holding:   # held: its last chunk waits for a plan
+            held.append(seq.num_blocks)
+            rounds.append(seq.eviction_rounds)
+    assert max(held) <= budget + 15
+    assert min(held[len(held) // 2:]) <= budget        # rounds bring the rows back to the budget
+    decode_rounds = rounds[-1] - rounds[0]
+    assert 0 < decode_rounds <= -(-new // 16) + 1
+    if policy == "learned":
+        assert advisor.plans_sent <= -(-180 // 24) + decode_rounds + 2
+        assert seq is None or not seq.fallback_evictions
+
+
+def test_a_sequence_behind_its_plans_evicts_on_the_plan_in_hand(model):
+    """Plans that come later than compute waits (here: none is waited for) make
+    the first round fall back; later rounds evict along the plan in hand (it
+    ranks every block it covers, newer ones are kept) instead of falling back
+    for the rest of the request."""
+    # Each plan comes 12 steps after its features: later than the next batch (8 tokens on).
+    advisor = ScriptedAdvisor(delay=12)
+    engine = tiny_engine(model, advisor=advisor, block_size=1, page_size=16, num_pages=20000, prefill_chunk=24,
+                         plan_wait_s=0.0)
+    engine.add_request("r", random_prompt(180, seed=6), SamplingParams(max_tokens=64, ignore_eos=True),
+                       EvictionParams("learned", budget=128, sink=4, recent=8))
+    usage = run_all(engine)["r"][-1].usage
+    assert usage.fallback_evictions > 0, usage            # the waits ran out (the prompt's rounds)
+    assert usage.network_evictions > 0, usage             # the decode rounds evicted along the plans

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvpop/v1/cache_manager.proto\x12\x0ekvpop.cache.v1\")\n\nFloatArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\'\n\x08IntArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xf5\x01\n\rBlockFeatures\x12\r\n\x05\x62lock\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0b\n\x03\x61ge\x18\x03 \x01(\x05\x12,\n\x08key_mean\x18\x04 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12.\n\nvalue_norm\x18\x05 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12-\n\tattention\x18\x06 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12)\n\x05reach\x18\x07 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\"\x9f\x01\n\rFeaturesBatch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1d.kvpop.cache.v1.BlockFeatures\x12&\n\x04gone\x18\x03 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12\x0c\n\x04more\x18\x04 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\"&\n\x10SequenceFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xaa\x01\n\x0e\x41\x64visorMessage\x12\x31\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1d.kvpop.cache.v1.FeaturesBatchH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvpop.cache.v1.SequenceFinishedH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\tB\x06\n\x04kind\"~\n\x0c\x45victionPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x65vict\x18\x02 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12\x0e\n\x06\x63overs\x18\x03 \x01(\x05\x12\x0e\n\x06ranker\x18\x04 \x01(\t\x12\x11\n\testimator\x18\x05 \x01(\t\"\x1e\n\rAdvisorInputs\x12\r\n\x05reads\x18\x01 \x03(\t\"i\n\x0c\x41\x64visorReply\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.kvpop.cache.v1.EvictionPlan\x12-\n\x06inputs\x18\x02 \x01(\x0b\x32\x1d.kvpop.cache.v1.AdvisorInputs2Z\n\x0c\x43\x61\x63heManager\x12J\n\x06\x41\x64vise\x12\x1e.kvpop.cache.v1.AdvisorMessage\x1a\x1c.kvpop.cache.v1.AdvisorReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvpop/v1/cache_manager.proto\x12\x0ekvpop.cache.v1\")\n\nFloatArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\'\n\x08IntArray\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xf5\x01\n\rBlockFeatures\x12\r\n\x05\x62lock\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\x05\x12\x0b\n\x03\x61ge\x18\x03 \x01(\x05\x12,\n\x08key_mean\x18\x04 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12.\n\nvalue_norm\x18\x05 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12-\n\tattention\x18\x06 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12)\n\x05reach\x18\x07 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\"\xc1\x02\n\x0b\x42lockArrays\x12\'\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12*\n\x08position\x18\x02 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12%\n\x03\x61ge\x18\x03 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12,\n\x08key_mean\x18\x04 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12.\n\nvalue_norm\x18\x05 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12-\n\tattention\x18\x06 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\x12)\n\x05reach\x18\x07 \x01(\x0b\x32\x1a.kvpop.cache.v1.FloatArray\"\xcc\x01\n\rFeaturesBatch\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x1d.kvpop.cache.v1.BlockFeatures\x12&\n\x04gone\x18\x03 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12\x0c\n\x04more\x18\x04 \x01(\x08\x12\x15\n\rprompt_tokens\x18\x05 \x01(\x05\x12+\n\x06\x61rrays\x18\x06 \x01(\x0b\x32\x1b.kvpop.cache.v1.BlockArrays\"&\n\x10SequenceFinished\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xaa\x01\n\x0e\x41\x64visorMessage\x12\x31\n\x08\x66\x65\x61tures\x18\x01 \x01(\x0b\x32\x1d.kvpop.cache.v1.FeaturesBatchH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvpop.cache.v1.SequenceFinishedH\x00\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntracestate\x18\x04 \x01(\tB\x06\n\x04kind\"~\n\x0c\x45victionPlan\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x65vict\x18\x02 \x01(\x0b\x32\x18.kvpop.cache.v1.IntArray\x12\x0e\n\x06\x63overs\x18\x03 \x01(\x05\x12\x0e\n\x06ranker\x18\x04 \x01(\t\x12\x11\n\testimator\x18\x05 \x01(\t\"\x1e\n\rAdvisorInputs\x12\r\n\x05reads\x18\x01 \x03(\t\"i\n\x0c\x41\x64visorReply\x12*\n\x04plan\x18\x01 \x01(\x0b\x32\x1c.kvpop.cache.v1.EvictionPlan\x12-\n\x06inputs\x18\x02 \x01(\x0b\x32\x1d.kvpop.cache.v1.AdvisorInputs2Z\n\x0c\x43\x61\x63heManager\x12J\n\x06\x41\x64vise\x12\x1e.kvpop.cache.v1.AdvisorMessage\x1a\x1c.kvpop.cache.v1.AdvisorReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INTARRAY']._serialized_end=130
   _globals['_BLOCKFEATURES']._serialized_start=133
   _globals['_BLOCKFEATURES']._serialized_end=378
-  _globals['_FEATURESBATCH']._serialized_start=381
-  _globals['_FEATURESBATCH']._serialized_end=540
-  _globals['_SEQUENCEFINISHED']._serialized_start=542
-  _globals['_SEQUENCEFINISHED']._serialized_end=580
-  _globals['_ADVISORMESSAGE']._serialized_start=583
-  _globals['_ADVISORMESSAGE']._serialized_end=753
-  _globals['_EVICTIONPLAN']._serialized_start=755
-  _globals['_EVICTIONPLAN']._serialized_end=881
-  _globals['_ADVISORINPUTS']._serialized_start=883
-  _globals['_ADVISORINPUTS']._serialized_end=913
-  _globals['_ADVISORREPLY']._serialized_start=915
-  _globals['_ADVISORREPLY']._serialized_end=1020
-  _globals['_CACHEMANAGER']._serialized_start=1022
-  _globals['_CACHEMANAGER']._serialized_end=1112
+  _globals['_BLOCKARRAYS']._serialized_start=381
+  _globals['_BLOCKARRAYS']._serialized_end=702
+  _globals['_FEATURESBATCH']._serialized_start=705
+  _globals['_FEATURESBATCH']._serialized_end=909
+  _globals['_SEQUENCEFINISHED']._serialized_start=911
+  _globals['_SEQUENCEFINISHED']._serialized_end=949
+  _globals['_ADVISORMESSAGE']._serialized_start=952
+  _globals['_ADVISORMESSAGE']._serialized_end=1122
+  _globals['_EVICTIONPLAN']._serialized_start=1124
+  _globals['_EVICTIONPLAN']._serialized_end=1250
+  _globals['_ADVISORINPUTS']._serialized_start=1252
+  _globals['_ADVISORINPUTS']._serialized_end=1282
+  _globals['_ADVISORREPLY']._serialized_start=1284
+  _globals['_ADVISORREPLY']._serialized_end=1389
+  _globals['_CACHEMANAGER']._serialized_start=1391
+  _globals['_CACHEMANAGER']._serialized_end=1481
 # @@protoc_insertion_point(module_scope)

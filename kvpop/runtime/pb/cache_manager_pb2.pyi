@@ -40,19 +40,39 @@ class BlockFeatures(_message.Message):
     reach: FloatArray
     def __init__(self, block: _Optional[int] = ..., position: _Optional[int] = ..., age: _Optional[int] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ..., reach: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
 
+class BlockArrays(_message.Message):
+    __slots__ = ("block", "position", "age", "key_mean", "value_norm", "attention", "reach")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    AGE_FIELD_NUMBER: _ClassVar[int]
+    KEY_MEAN_FIELD_NUMBER: _ClassVar[int]
+    VALUE_NORM_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    REACH_FIELD_NUMBER: _ClassVar[int]
+    block: IntArray
+    position: IntArray
+    age: IntArray
+    key_mean: FloatArray
+    value_norm: FloatArray
+    attention: FloatArray
+    reach: FloatArray
+    def __init__(self, block: _Optional[_Union[IntArray, _Mapping]] = ..., position: _Optional[_Union[IntArray, _Mapping]] = ..., age: _Optional[_Union[IntArray, _Mapping]] = ..., key_mean: _Optional[_Union[FloatArray, _Mapping]] = ..., value_norm: _Optional[_Union[FloatArray, _Mapping]] = ..., attention: _Optional[_Union[FloatArray, _Mapping]] = ..., reach: _Optional[_Union[FloatArray, _Mapping]] = ...) -> None: ...
+
 class FeaturesBatch(_message.Message):
-    __slots__ = ("request_id", "blocks", "gone", "more", "prompt_tokens")
+    __slots__ = ("request_id", "blocks", "gone", "more", "prompt_tokens", "arrays")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[BlockFeatures]
     gone: IntArray
     more: bool
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    arrays: BlockArrays
+    def __init__(self, request_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[BlockFeatures, _Mapping]]] = ..., gone: _Optional[_Union[IntArray, _Mapping]] = ..., more: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., arrays: _Optional[_Union[BlockArrays, _Mapping]] = ...) -> None: ...
 
 class SequenceFinished(_message.Message):
     __slots__ = ("request_id",)
