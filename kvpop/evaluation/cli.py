@@ -29,7 +29,18 @@ def _seed_meta(seeds: list[int]):
 
 
 def _question_meta(args) -> dict:
-    return {"question": args.question} if args.suite == "real" else {}
+    if args.suite != "real":
+        return {}
+    from kvpop.tasks import sources
+    return {"question": args.question, "source": args.source, "held_out": args.source in sources.HELD_OUT}
+
+
+def _source(name: str) -> str:
+    from kvpop.tasks import sources
+    try:
+        return sources.check(name)
+    except sources.SourceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", choices=["end", "first"], default="end",
                    help="--suite real: where the question is asked: after the text (the default) or before it, "
                         "so a budget held during prefill ranks the text with the question in the context")
+    p.add_argument("--source", type=_source, default="generator",
+                   help="--suite real: the haystack's text (kvpop/tasks/sources/): generator (the project's own "
+                        "filler), docstrings, code, dialogue (training sources), reference, licenses (held out of "
+                        "training: text no network here saw)")
     p.add_argument("--no-kl", action="store_true",
                    help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
     p.add_argument("--no-dense", action="store_true",
@@ -190,7 +205,7 @@ def run(args) -> int:
             "seconds": round(time.time() - t0, 1)}
     out = Path(args.out)
     report.write(rows, families, out, meta, dense + rest)
-    print(report.markdown(rows, families))
+    print(report.title(meta) + report.markdown(rows, families))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
           f"in {meta['seconds']} s")
     return 0
@@ -208,7 +223,7 @@ def test_instances(args, families: list[str]):
         if hi > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s, args.question)
+        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s, args.question, args.source)
     else:
         n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
         if args.quick:
@@ -228,7 +243,11 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
     if args.estimator or args.device != "cpu":
         print("note: --estimator and --device are for in-process runs; a stack uses what it was started "
               "with (`kvpop up --estimator ... --device ...`)")
-    instances, lo, hi, n = test_instances(args, families)
+    try:
+        instances, lo, hi, n = test_instances(args, families)
+    except ValueError as e:     # a text source not on this machine, a length the model cannot hold
+        print(f"kvpop eval: {e}")
+        return 2
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
     info = harness.info
     print(f"via {args.via}: model {info.name} ({info.architecture}, {info.num_layers} layers), "
@@ -253,7 +272,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
             "errors": errors}
     out = Path(args.out)
     report.write(rows, families, out, meta, outcomes)
-    print(report.markdown(rows, families))
+    print(report.title(meta) + report.markdown(rows, families))
     for key, d in decisions.items():
         if key.startswith("learned"):
             print(f"{key}: {d['network']}/{d['evicted']} evicted blocks ranked by the network "
