@@ -25,6 +25,10 @@ PREFILL_CHUNK = 512
 # The largest prefill_allowance a request may ask (a multiple of its budget held
 # during prefill; gateway and compute check it): beyond it, evict_after_prompt says it plainly.
 MAX_PREFILL_ALLOWANCE = 64.0
+# When a request's budget starts to hold if it sets neither evict_after_prompt nor
+# prefill_allowance (kvpop/prefill_protocol.py): the gateway's KVPOP_DEFAULT_PREFILL
+# and the eval's and benchmarks' policy labels without a protocol suffix.
+DEFAULT_PREFILL = "held"
 
 T = TypeVar("T")
 
@@ -220,6 +224,11 @@ class GatewayConfig(ServerConfig):
                                           "most Generate streams one client may have open at once, the client "
                                           "being its x-client-id metadata, else its IP address "
                                           "(RESOURCE_EXHAUSTED beyond; 0 = no limit)")
+    default_prefill: str = setting("KVPOP_DEFAULT_PREFILL", DEFAULT_PREFILL,
+                                   "when a request's budget starts to hold if it sets neither evict_after_prompt nor "
+                                   "prefill_allowance: held (from the first prompt chunk on: peak about budget + one "
+                                   "chunk), after (from the prompt's end on: peak the whole prompt) or Nx (up to N "
+                                   "times the budget during prefill); '' = kvpop/config.py's DEFAULT_PREFILL (docs/results/long-context.md)")
     default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
     max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
     session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
@@ -270,6 +279,15 @@ class GatewayConfig(ServerConfig):
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0")
         if self.max_streams_per_client < 0:
             raise ConfigError("KVPOP_MAX_STREAMS_PER_CLIENT must be >= 0 (0 = no limit)")
+        try:
+            self.prefill()
+        except ValueError as e:
+            raise ConfigError(f"KVPOP_DEFAULT_PREFILL: {e}") from None
+
+    def prefill(self) -> tuple[bool, float]:
+        """The default prefill protocol's (evict_after_prompt, prefill_allowance)."""
+        from kvpop import prefill_protocol
+        return prefill_protocol.parse(self.default_prefill.strip() or DEFAULT_PREFILL)
 
 
     def budget(self) -> int | float | None:
