@@ -57,3 +57,12 @@ def test_an_unknown_source_names_the_choices_and_labels_say_held_out():
     assert sources.label("code") == "code (a training source)"
     with pytest.raises(sources.SourceError, match="writes its text"):
         sources.corpus("generator")
+
+
+@pytest.mark.parametrize("asked", [("licenses",), ("code", "reference"), ()])
+def test_traces_refuse_held_out_text(asked):
+    """The held-out sources are the yardstick: `kvpop train-estimator --sources`
+    refuses them before any model runs."""
+    from kvpop.training.traces import real_traces
+    with pytest.raises(ValueError, match="held out of training"):
+        real_traces(None, None, 4, [], text_sources=asked)
