@@ -27,8 +27,12 @@ PREFILL_CHUNK = 512
 MAX_PREFILL_ALLOWANCE = 64.0
 # When a request's budget starts to hold if it sets neither evict_after_prompt nor
 # prefill_allowance (kvpop/prefill_protocol.py): the gateway's KVPOP_DEFAULT_PREFILL
-# and the eval's and benchmarks' policy labels without a protocol suffix.
-DEFAULT_PREFILL = "held"
+# and the eval's and benchmarks' policy labels without a protocol suffix. "after":
+# on text no network was trained on, a budget held during prefill loses the facts a
+# question at the prompt's end asks for; after the prompt, learned at 87.5% answers
+# as dense does, at the price of a prefill peak of the whole prompt
+# (docs/results/long-context.md#held-out-text-and-the-default-prefill-protocol).
+DEFAULT_PREFILL = "after"
 
 T = TypeVar("T")
 

@@ -318,10 +318,11 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             assert before.get("estimator.safetensors", 0) > 0 and not before.get("estimator-long.safetensors")
             long_needle = ruler.generate("needle", 5, 2400, engine.tokenizer)
             _, usage, _ = chat(*[(m["role"], m["content"]) for m in long_needle.messages], max_tokens=4,
-                               policy="learned", budget_tokens=256)
+                               policy="learned", budget_tokens=256, prefill_allowance=1.0)
             assert usage.prompt_tokens > 2100 and usage.network_evictions == usage.kv_blocks_evicted > 0, usage
-            # Held during prefill, the budget bounds the peak: budget + one 512-token chunk (+ a plan's
-            # slack) at once, where the whole 2,400-token prompt would be ~3x that.
+            # Held during prefill (prefill_allowance=1, whatever the stack's default), the budget bounds the
+            # peak: budget + one 512-token chunk (+ a plan's slack) at once, where the whole 2,400-token
+            # prompt would be ~3x that.
             rows, bs = info.num_layers * info.num_kv_heads, info.block_size
             assert usage.kv_blocks_resident < usage.kv_blocks_peak <= rows * (-(-(256 + 512) // bs) + 3), usage
             # prefill_allowance 2: twice the budget during prefill (a higher peak, still far below the

@@ -108,9 +108,9 @@ def test_gateway_passes_evict_after_prompt_to_compute():
 
     info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)
     req = generate_pb2.GenerateRequest(prompt="hi", policy="h2o", budget_tokens=64, evict_after_prompt=True)
-    assert validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+    assert validate(req, GatewayConfig(default_prefill="held"), info).eviction.evict_after_prompt
     req.evict_after_prompt = False
-    assert not validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+    assert not validate(req, GatewayConfig(default_prefill="held"), info).eviction.evict_after_prompt
 
 
 @pytest.mark.parametrize("policy", ["h2o", "learned"])
