@@ -21,9 +21,16 @@ NAMES = {"dense": "dense", "learned": "learned (default)", "learned+prefill1x": 
 
 
 def label(policy: str) -> str:
+    from kvpop.evaluation.harness import after_prompt, prefill_allowance
     if policy in NAMES:
-        return NAMES[policy]
-    return f"allowance {policy.removeprefix('learned+prefill')}" if "+prefill" in policy else policy
+        name = NAMES[policy]
+    else:
+        name = f"allowance {policy.removeprefix('learned+prefill')}" if "+prefill" in policy else policy
+    # The suffix that asks for what a plain label gets (kvpop/config.py DEFAULT_PREFILL).
+    if policy.startswith("learned+") and (after_prompt(policy), prefill_allowance(policy)) == \
+            (after_prompt("learned"), prefill_allowance("learned")):
+        name += " (default)"
+    return name
 
 
 def cells(runs: list[Path]) -> dict[tuple[str, int, str], tuple[int, int, float]]:

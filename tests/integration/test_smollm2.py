@@ -257,7 +257,9 @@ def _kvpop(*args, env, timeout=300):
 def test_chat_through_the_gateway(model_dir, engine, tmp_path):
     from kvpop.pb import generate_pb2, generate_pb2_grpc
 
-    env = {**os.environ, "KVPOP_STATE_DIR": str(tmp_path / "state")}
+    # Every plan waited for however loaded the machine: served equals in process (which always
+    # has its plan) only when no late plan turns into the fallback's ranking.
+    env = {**os.environ, "KVPOP_STATE_DIR": str(tmp_path / "state"), "KVPOP_PLAN_WAIT_MS": "120000"}
     up = _kvpop("up", "--model", NAME, "--timeout", "280", env=env)
     assert up.returncode == 0, up.stderr
     try:
