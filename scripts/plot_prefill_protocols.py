@@ -82,13 +82,14 @@ def main() -> None:
             if not total:
                 continue
             ax.scatter([mibn / total], [right / total], s=60, color=f"C{i}", label=label(q), zorder=3)
-        ax.set_title(f"{n:,} tokens ({' + '.join(sources)})", fontsize=9)
+        here = sorted({s for s, m, _ in found if m == n})
+        ax.set_title(f"{n:,} tokens ({' + '.join(here)})", fontsize=9)
         ax.set_xlabel("peak KV per request (MiB)")
         ax.set_ylim(-0.05, 1.05)
         ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy (needle + multikey)")
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    axes[0][0].legend(fontsize=8, loc="upper left")
     fig.suptitle(args.title, fontsize=10)
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,11 +47,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
+                   help="comma-separated; a plain NAME holds its budget as the default prefill protocol says "
+                        "(kvpop/config.py DEFAULT_PREFILL, a stack's KVPOP_DEFAULT_PREFILL); NAME+recentP gives NAME "
+                        "a recent window of P%% of each budget "
                         "(h2o+recent50: H2O as its paper runs it); a trailing +after holds the budget from the end "
                         "of the prompt on, not during prefill (the request's evict_after_prompt; kvpress's protocol); a trailing "
                         "+prefill<N>x holds up to N times the budget during prefill, then the budget "
-                        "(the request's prefill_allowance)")
+                        "(the request's prefill_allowance; +prefill1x: the budget during prefill too)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--suite", choices=["tasks", "real"], default="tasks",
                    help="tasks: the default model's task families; real: long-context retrieval on real text "
