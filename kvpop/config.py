@@ -170,7 +170,8 @@ class ComputeConfig(ServerConfig):
                                  "budget plus one chunk (smaller: lower peak, more eviction rounds and plans)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
-                                  "fallback ranks (only that sequence waits)")
+                                  "fallback ranks (only that sequence waits), per prefill chunk of blocks its "
+                                  "round ranks")
     # Compute's own limits: whoever calls it (a gateway, or anyone holding the token) is held to them.
     max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
                                     "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
