@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-at", choices=("end", "first"), default="end",
                    help="where the prompt asks its question (kvpop eval --question): first puts it before the "
                         "text, so it is compressed with the context (--question is then context)")
+    p.add_argument("--source", default="generator",
+                   help="the haystack's text (kvpop eval --source): generator, docstrings, code, dialogue, or the "
+                        "held-out reference, licenses")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True)
 
@@ -111,7 +114,13 @@ def run(args) -> int:
     placements = ["end", "context"] if args.question == "both" else [args.question]
     if args.question_at == "first":
         placements = ["context"]      # the question is part of the text before it
-    insts = ruler.model_test_set(args.model, args.n, lengths, families, args.seed, args.question_at)
+    from kvpop.tasks.sources import catalog as sources
+    try:
+        sources.check(args.source)
+    except sources.SourceError as e:
+        print(e)
+        return 2
+    insts = ruler.model_test_set(args.model, args.n, lengths, families, args.seed, args.question_at, args.source)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
@@ -148,7 +157,8 @@ def run(args) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"model": str(args.model), "kvpress": _version("kvpress"), "transformers": _version("transformers"),
-            "n_per_family": args.n, "lengths": lengths, "seed": args.seed, "question_at": args.question_at, "seconds": round(time.time() - t0, 1)}
+            "n_per_family": args.n, "lengths": lengths, "seed": args.seed, "question_at": args.question_at,
+            "source": args.source, "held_out": args.source in sources.HELD_OUT, "seconds": round(time.time() - t0, 1)}
     (out_dir / "kvpress.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     md = table(rows, families)
     (out_dir / "kvpress.md").write_text(md + "\n")

@@ -31,18 +31,31 @@ def _seed_meta(seeds: list[int]):
 def _question_meta(args) -> dict:
     if args.suite == "chat":
         return {"gaps": args.gaps, "length_unit": "turns"}
-    return {"question": args.question} if args.suite == "real" else {}
+    if args.suite != "real":
+        return {}
+    from kvpop.tasks.sources import catalog as sources
+    return {"question": args.question, "source": args.source, "held_out": args.source in sources.HELD_OUT}
+
+
+def _source(name: str) -> str:
+    from kvpop.tasks.sources import catalog as sources
+    try:
+        return sources.check(name)
+    except sources.SourceError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--policies", default=DEFAULT_POLICIES,
-                   help="comma-separated; NAME+recentP gives NAME a recent window of P%% of each budget "
+                   help="comma-separated; a plain NAME holds its budget as the default prefill protocol says "
+                        "(kvpop/runtime/config.py DEFAULT_PREFILL, a stack's KVPOP_DEFAULT_PREFILL); NAME+recentP gives NAME "
+                        "a recent window of P%% of each budget "
                         "(h2o+recent50: H2O as its paper runs it); a trailing +after holds the budget from the end "
                         "of the prompt on, not during prefill (the request's evict_after_prompt; kvpress's protocol); a trailing "
                         "+prefill<N>x holds up to N times the budget during prefill, then the budget "
-                        "(the request's prefill_allowance)")
+                        "(the request's prefill_allowance; +prefill1x: the budget during prefill too)")
     p.add_argument("--compression", default=DEFAULT_COMPRESSION, help="1 - budget / sequence length")
     p.add_argument("--suite", choices=["tasks", "real", "chat"], default="tasks",
                    help="tasks: the default model's task families; real: long-context retrieval on real text "
@@ -56,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question", choices=["end", "first"], default="end",
                    help="--suite real: where the question is asked: after the text (the default) or before it, "
                         "so a budget held during prefill ranks the text with the question in the context")
+    p.add_argument("--source", type=_source, default="generator",
+                   help="--suite real: the haystack's text (kvpop/tasks/sources/): generator (the project's own "
+                        "filler), docstrings, code, dialogue (training sources), reference, licenses (held out of "
+                        "training: text no network here saw)")
     p.add_argument("--no-kl", action="store_true",
                    help="skip the teacher-forced pass (KL to dense): half the work, accuracy only")
     p.add_argument("--no-dense", action="store_true",
@@ -198,7 +215,7 @@ def run(args) -> int:
             "seconds": round(time.time() - t0, 1), "decisions": decisions}
     out = Path(args.out)
     report.write(rows, families, out, meta, dense + rest)
-    print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
+    print(report.title(meta) + report.markdown(rows, families, meta.get("length_unit", "tokens")))
     print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}, {out / 'outcomes.jsonl'} "
           f"in {meta['seconds']} s")
@@ -226,7 +243,7 @@ def test_instances(args, families: list[str]):
         if hi > limit:
             print(f"prompts are capped at {limit} tokens: the model's context less {ruler.ANSWER_ROOM} "
                   f"for the answer")
-        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s, args.question)
+        one_seed = lambda s: ruler.model_test_set(args.model, n, lengths, families, s, args.question, args.source)
     else:
         n, lo, hi = args.n, args.min_len or suite.TEST_MIN_LEN, args.max_len or suite.TEST_MAX_LEN
         if args.quick:
@@ -255,7 +272,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
               "with (`kvpop up --estimator ... --device ...`)")
     try:
         instances, lo, hi, n = test_instances(args, families)
-    except ValueError as e:
+    except ValueError as e:     # a text source not on this machine, a length the model cannot hold
         print(f"kvpop eval: {e}")
         return 2
     harness = ServedHarness(args.via, sink=args.sink, recent=args.recent, concurrency=args.concurrency)
@@ -282,7 +299,7 @@ def run_via(args, policies: list[str], comps: list[float], families: list[str]) 
             "errors": errors}
     out = Path(args.out)
     report.write(rows, families, out, meta, outcomes)
-    print(report.markdown(rows, families, meta.get("length_unit", "tokens")))
+    print(report.title(meta) + report.markdown(rows, families, meta.get("length_unit", "tokens")))
     print_network_share(decisions)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'} in {meta['seconds']} s")
     if failed:

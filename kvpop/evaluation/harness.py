@@ -27,19 +27,29 @@ AFTER = "+after"
 PREFILL = "+prefill"
 
 
+def _default() -> tuple[bool, float]:
+    from kvpop.runtime import prefill_protocol
+    from kvpop.runtime.config import DEFAULT_PREFILL
+    return prefill_protocol.parse(DEFAULT_PREFILL)
+
+
 def after_prompt(label: str) -> bool:
     """"keydiff+after": the budget holds from the end of the prompt on (the
-    request's `evict_after_prompt`; kvpress's protocol), not during prefill."""
-    return label.endswith(AFTER)
+    request's `evict_after_prompt`; kvpress's protocol), not during prefill.
+    A label without a protocol suffix: the default protocol's (as served)."""
+    if label.endswith(AFTER):
+        return True
+    return False if PREFILL in label else _default()[0]
 
 
 def prefill_allowance(label: str) -> float:
     """"learned+prefill4x" -> 4.0: during prefill the request holds up to 4x its
     budget, then the round at the prompt's end brings it down (the request's
-    `prefill_allowance`). Without the suffix: 1.0, the budget itself."""
+    `prefill_allowance`); "+prefill1x" is the budget itself from the first chunk
+    on. Without a suffix: the default protocol's."""
     _, sep, tail = label.rpartition(PREFILL)
     if not sep:
-        return 1.0
+        return 1.0 if label.endswith(AFTER) else _default()[1]
     try:
         if not tail.endswith("x"):
             raise ValueError
@@ -49,9 +59,12 @@ def prefill_allowance(label: str) -> float:
 
 
 def set_protocol(req, label: str) -> None:
-    """A GenerateRequest's fields for the label's suffix: evict_after_prompt, prefill_allowance."""
-    req.evict_after_prompt = after_prompt(label)
-    if prefill_allowance(label) > 1.0:
+    """A GenerateRequest's fields for the label's suffix: evict_after_prompt,
+    prefill_allowance. Without a suffix neither is set: the stack's default
+    protocol (KVPOP_DEFAULT_PREFILL) applies, as for any client."""
+    if label.endswith(AFTER):
+        req.evict_after_prompt = True
+    elif PREFILL in label:
         req.prefill_allowance = prefill_allowance(label)
 
 

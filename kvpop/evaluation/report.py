@@ -46,6 +46,15 @@ def records(outcomes, families: list[str]) -> list[dict]:
     return rows
 
 
+def title(meta: dict) -> str:
+    """The line above a real-text table: whose text the haystack is, and
+    whether any network here was trained on it."""
+    if "source" not in meta:
+        return ""
+    from kvpop.tasks.sources import catalog as sources
+    return f"Haystack text: {sources.label(meta['source'])}\n\n"
+
+
 def _mean(xs: list) -> float | None:
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -137,5 +146,5 @@ def write(rows: list[dict], families: list[str], out: Path, meta: dict, outcomes
     (out / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     unit = meta.get("length_unit", "tokens")
-    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + markdown(rows, families, unit))
+    (out / "results.md").write_text(f"<!-- {json.dumps(meta)} -->\n" + title(meta) + markdown(rows, families, unit))
     plot(rows, families, out / "accuracy.png")

@@ -13,7 +13,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
+from kvpop.runtime import prefill_protocol
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
+# The largest prefill_allowance a request may ask (a multiple of its budget held
+# during prefill; gateway and compute check it): beyond it, evict_after_prompt says it plainly.
+from kvpop.runtime.prefill_protocol import MAX_PREFILL_ALLOWANCE  # noqa: F401 - read from here by gateway and compute
 
 # Tokens between a decoding `learned` sequence's eviction plans (compute's
 # KVPOP_PLAN_INTERVAL, the engine's and the trace recorder's default).
@@ -22,9 +26,14 @@ PLAN_INTERVAL = 8
 # engine's, the eval's and the trace recorder's default): a budget held during
 # prefill holds after each chunk.
 PREFILL_CHUNK = 512
-# The largest prefill_allowance a request may ask (a multiple of its budget held
-# during prefill; gateway and compute check it): beyond it, evict_after_prompt says it plainly.
-MAX_PREFILL_ALLOWANCE = 64.0
+# When a request's budget starts to hold if it sets neither evict_after_prompt nor
+# prefill_allowance (kvpop/runtime/prefill_protocol.py): the gateway's KVPOP_DEFAULT_PREFILL
+# and the eval's and benchmarks' policy labels without a protocol suffix. "after":
+# on text no network was trained on, a budget held during prefill loses the facts a
+# question at the prompt's end asks for; after the prompt, learned at 87.5% answers
+# as dense does, at the price of a prefill peak of the whole prompt
+# (docs/results/long-context.md#held-out-text-and-the-default-prefill-protocol).
+DEFAULT_PREFILL = "after"
 
 T = TypeVar("T")
 
@@ -162,7 +171,8 @@ class ComputeConfig(ServerConfig):
                                  "budget plus one chunk (smaller: lower peak, more eviction rounds and plans)")
     plan_wait_ms: float = setting("KVPOP_PLAN_WAIT_MS", 2000.0,
                                   "most a `learned` sequence waits for its eviction plan before compute's "
-                                  "fallback ranks (only that sequence waits)")
+                                  "fallback ranks (only that sequence waits), per prefill chunk of blocks its "
+                                  "round ranks")
     # Compute's own limits: whoever calls it (a gateway, or anyone holding the token) is held to them.
     max_prompt_chars: int = setting("KVPOP_MAX_PROMPT_CHARS", 65536,
                                     "longest prompt in characters (RESOURCE_EXHAUSTED beyond)")
@@ -220,6 +230,11 @@ class GatewayConfig(ServerConfig):
                                           "most Generate streams one client may have open at once, the client "
                                           "being its x-client-id metadata, else its IP address "
                                           "(RESOURCE_EXHAUSTED beyond; 0 = no limit)")
+    default_prefill: str = setting("KVPOP_DEFAULT_PREFILL", DEFAULT_PREFILL,
+                                   "when a request's budget starts to hold if it sets neither evict_after_prompt nor "
+                                   "prefill_allowance: held (from the first prompt chunk on: peak about budget + one "
+                                   "chunk), after (from the prompt's end on: peak the whole prompt) or Nx (up to N "
+                                   "times the budget during prefill); '' = kvpop/runtime/config.py's DEFAULT_PREFILL (docs/results/long-context.md)")
     default_max_tokens: int = setting("KVPOP_DEFAULT_MAX_TOKENS", 128, "max_tokens when a request sets none")
     max_stop_strings: int = setting("KVPOP_MAX_STOP_STRINGS", 8, "most stop strings per request")
     session_ttl_s: int = setting("KVPOP_SESSION_TTL_S", 86400, "seconds a session lives after its last use")
@@ -270,6 +285,14 @@ class GatewayConfig(ServerConfig):
             raise ConfigError("KVPOP_HEARTBEAT_S must be > 0")
         if self.max_streams_per_client < 0:
             raise ConfigError("KVPOP_MAX_STREAMS_PER_CLIENT must be >= 0 (0 = no limit)")
+        try:
+            self.prefill()
+        except ValueError as e:
+            raise ConfigError(f"KVPOP_DEFAULT_PREFILL: {e}") from None
+
+    def prefill(self) -> tuple[bool, float]:
+        """The default prefill protocol's (evict_after_prompt, prefill_allowance)."""
+        return prefill_protocol.parse(self.default_prefill.strip() or DEFAULT_PREFILL)
 
 
     def budget(self) -> int | float | None:

@@ -116,10 +116,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recent-tokens", type=int, help="last positions never evicted (server default 8)")
     p.add_argument("--evict-after-prompt", action="store_true",
                    help="hold the budget from the end of the prompt on (the prompt is prefilled in full, then "
-                        "evicted down once: a question at its end is seen first); default: during prefill too")
+                        "evicted down once: a question at its end is seen first); default: the server's "
+                        "(KVPOP_DEFAULT_PREFILL)")
     p.add_argument("--prefill-allowance", type=float, metavar="N",
                    help="hold up to N times the budget while the prompt is prefilled, then the budget "
-                        "(between the default, 1, and --evict-after-prompt)")
+                        "(1: the budget from the first prompt chunk on; between that and --evict-after-prompt)")
     p.add_argument("--session", help="session id (stored in Redis): later turns continue its KV; with --chat, "
                    "MESSAGE is the chat's next user turn")
     p.add_argument("--request-id", help="names the request in logs and traces (default: the server makes one)")

@@ -384,6 +384,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the gateway's default eviction policy: {', '.join(POLICIES)} (default learned)")
     p.add_argument("--budget", help="the gateway's default KV budget per (layer, kv-head): tokens ('512') or a "
                                     "fraction of prompt + max tokens ('0.25', the default)")
+    p.add_argument("--prefill", metavar="PROTOCOL",
+                   help="the gateway's default prefill protocol (KVPOP_DEFAULT_PREFILL): held (the budget from the "
+                        "first prompt chunk on), after (from the prompt's end on) or Nx (up to N times the budget "
+                        "during prefill); default: kvpop/runtime/config.py's DEFAULT_PREFILL")
     p.add_argument("--device", help="compute device: cpu, cuda, auto")
     p.add_argument("--dtype", help="model dtype: float32, bfloat16, float16, auto")
     p.add_argument("--block-size", type=int, help="positions per block, the unit of eviction (default 1)")
@@ -407,6 +411,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None:
             compute += [flag, str(value)]
     gateway = ["--default-budget", args.budget] if args.budget is not None else []
+    gateway += ["--default-prefill", args.prefill] if args.prefill is not None else []
     # After the folder's own on the command line: the last one wins.
     cache_manager = ["--estimator", str(args.estimator)] if args.estimator is not None else []
     try:

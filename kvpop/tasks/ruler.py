@@ -1,6 +1,8 @@
 """Long-context retrieval on real text for a real chat model (the `real` suite
 of `kvpop eval`), in the manner of RULER: facts hidden at random depths in
-natural-language filler our own code writes, then a question at the end.
+filler text, then a question at the end. The filler comes from a text source
+(kvpop/tasks/sources/): the project's own generator by default, or real text
+(documentation, code, dialogue; two sources held out of training).
 
 Families:
 - `needle`: one "special magic number" for a key; ask for it.
@@ -22,26 +24,13 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvpop.tasks.sources import catalog as sources
+
 FAMILIES = ("needle", "multikey", "multivalue", "vartrack")
 ANSWER_ROOM = 64   # a prompt leaves this much of the model's context for the answer
 
-_SUBJECTS = ["The river", "A small village", "The old library", "Our neighbour", "The morning train", "A gardener",
-             "The committee", "The lighthouse keeper", "A young painter", "The market", "The museum guide",
-             "A fisherman", "The weather", "The city council", "A traveller", "The baker", "The school choir"]
-_VERBS = ["watched", "described", "remembered", "repaired", "visited", "painted", "measured", "announced",
-          "carried", "collected", "followed", "discussed", "welcomed", "explored", "ignored", "counted"]
-_OBJECTS = ["the quiet harbour", "a basket of apples", "the northern hills", "an unfinished letter",
-            "the spring festival", "a narrow bridge", "the evening news", "a field of barley", "the stone wall",
-            "a wooden boat", "the clock tower", "a box of old maps", "the winter road", "a row of lanterns"]
-_TAILS = ["before the rain began", "after a long week", "with great care", "without saying a word",
-          "as the sun went down", "for the third time", "while the bells rang", "near the end of summer",
-          "in the early afternoon", "despite the wind", "at the request of a friend", "on a quiet Sunday"]
 _KEYS = ["amber-falcon", "silent-orchard", "copper-lantern", "northern-meadow", "velvet-harbor", "crimson-anchor",
          "hollow-pine", "golden-ferry", "misty-quarry", "rapid-heron", "frozen-canyon", "pale-violet"]
-
-
-def _sentence(rng: random.Random) -> str:
-    return f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}."
 
 
 def _number(rng: random.Random) -> str:
@@ -60,6 +49,7 @@ class TextInstance:
     depends: list[int] = field(default_factory=list)   # no dependency oracle on real text
     decoder: object = field(default=None, repr=False)
     length: int = 0                 # the length asked for (reports break results down by it)
+    source: str = sources.DEFAULT   # where the filler text came from
 
     @property
     def prompt(self) -> str:
@@ -72,7 +62,7 @@ class TextInstance:
         return all(a in text for a in self.answers)
 
     def to_dict(self) -> dict:
-        return {"family": self.family, "seed": self.seed, "answers": self.answers,
+        return {"family": self.family, "seed": self.seed, "source": self.source, "answers": self.answers,
                 "prompt_tokens": len(self.prompt_ids), "solution_tokens": len(self.solution_ids)}
 
 
@@ -109,12 +99,15 @@ QUESTION_AT = ("end", "first")
 
 
 def generate(family: str, seed: int, length: int, tokenizer, limit: int | None = None,
-             question_at: str = "end") -> TextInstance:
+             question_at: str = "end", source: str = sources.DEFAULT) -> TextInstance:
     """One instance whose chat-rendered prompt is `length` tokens (+-2%), and
     never more than ``limit`` (the model's context less room for the answer).
     ``question_at="first"`` asks the question before the text (the same facts,
     filler and depths for the same seed): a budget held during prefill then
-    ranks the text with the question already in the context."""
+    ranks the text with the question already in the context. ``source``
+    names the filler's text (kvpop/tasks/sources/); the facts and the question
+    are the same for the same seed whatever the source."""
+    sep = sources.separator(source)
     rng = random.Random(f"real:{family}:{seed}")
     facts, question, answers, solution = _facts(family, rng)
     if question_at == "end":
@@ -131,14 +124,14 @@ def generate(family: str, seed: int, length: int, tokenizer, limit: int | None =
         body = list(filler)
         for pos, fact in sorted(zip(slots, facts), reverse=True):
             body.insert(pos, fact)
-        content = intro + " ".join(body) + ask
+        content = intro + sep.join(body) + ask
         return tokenizer.encode_chat([{"role": "user", "content": content}]), content
 
     base = len(render([], [0] * len(facts))[0])
-    per = max(1.0, len(tokenizer.encode(" ".join(_sentence(random.Random(i)) for i in range(50)),
-                                        add_bos=False)) / 50)
+    per = _tokens_per_unit(source, sep, tokenizer)
     n = max(len(facts), int((length - base) / per))
-    filler = [_sentence(rng) for _ in range(n)]
+    unit = sources.stream(source, rng)
+    filler = [unit() for _ in range(n)]
     for _ in range(8):      # a few corrections: sentence lengths vary
         # Facts keep their order (a variable chain must read forwards).
         slots = sorted(rng.sample(range(len(filler) + 1), len(facts)))
@@ -148,18 +141,39 @@ def generate(family: str, seed: int, length: int, tokenizer, limit: int | None =
             break
         k = int(err / per)
         if k > 0:
-            filler += [_sentence(rng) for _ in range(k)]
+            filler += [unit() for _ in range(k)]
         elif k < 0:
             del filler[max(len(facts), len(filler) + k):]
         else:
             break
+    # Real text's units vary more: then one at a time, the facts where they are. (The generator's
+    # prompts stay those every published number was measured on.)
+    for _ in range(64 if source != sources.DEFAULT else 0):
+        err = length - len(ids)
+        if abs(err) <= 0.02 * length or (err < 0 and len(filler) <= len(facts)):
+            break
+        if err > 0:
+            filler.append(unit())
+        else:
+            filler.pop()
+        ids, content = render(filler, [min(x, len(filler)) for x in slots])
     while limit is not None and len(ids) > limit and len(filler) > len(facts):
         # As many sentences as the overshoot is long (at least one): one re-render per step, not per sentence.
         del filler[max(len(facts), len(filler) - max(1, math.ceil((len(ids) - limit) / per))):]
         ids, content = render(filler, [min(x, len(filler)) for x in slots])
     sol = tokenizer.encode(solution, add_bos=False) + [min(tokenizer.eos_token_ids)]
     return TextInstance(family, seed, [{"role": "user", "content": content}], answers, solution,
-                        prompt_ids=ids, solution_ids=sol, decoder=tokenizer, length=length)
+                        prompt_ids=ids, solution_ids=sol, decoder=tokenizer, length=length, source=source)
+
+
+def _tokens_per_unit(source: str, sep: str, tokenizer) -> float:
+    """Mean tokens per filler unit: a first guess of how many a length needs."""
+    if source == sources.DEFAULT:
+        sample = [sources.generator.sentence(random.Random(i)) for i in range(50)]
+    else:
+        units = sources.corpus(source).units
+        sample = units[:: max(1, len(units) // 200)][:200]
+    return max(1.0, len(tokenizer.encode(sep.join(sample), add_bos=False)) / len(sample))
 
 
 def prompt_limit(model_dir) -> int:
@@ -169,21 +183,22 @@ def prompt_limit(model_dir) -> int:
 
 
 def test_set(tokenizer, n: int, lengths: list[int], families: list[str] | None = None,
-             seed: int = 0, limit: int | None = None, question_at: str = "end") -> list[TextInstance]:
+             seed: int = 0, limit: int | None = None, question_at: str = "end",
+             source: str = sources.DEFAULT) -> list[TextInstance]:
     """n instances per (family, length); seeds depend on the test-set seed.
     ``limit`` caps every prompt (a length at the model's whole context leaves
     no room for the answer): such a length is generated as close below it as
     the limit allows."""
-    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit, question_at)
+    return [generate(fam, seed * 100_000 + length * 10 + i, length, tokenizer, limit, question_at, source)
             for length in lengths for fam in (families or FAMILIES) for i in range(n)]
 
 
 def model_test_set(model_dir, n: int, lengths: list[int], families: list[str] | None = None,
-                   seed: int = 0, question_at: str = "end") -> list[TextInstance]:
+                   seed: int = 0, question_at: str = "end", source: str = sources.DEFAULT) -> list[TextInstance]:
     """The test set as every consumer must see it for ``model_dir`` (our eval,
     the serving benchmark, kvpress on the same prompts): rendered with the
     model's tokenizer and chat template, prompts capped at :func:`prompt_limit`.
     Without the cap an "8k" prompt runs past SmolLM2's context and is not the
     prompt the eval ran."""
     from services.compute.tokenizer import Tokenizer
-    return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir), question_at)
+    return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir), question_at, source)

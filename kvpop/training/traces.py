@@ -295,19 +295,28 @@ def _trace_all(model, items, cfg_choices, rng, progress: bool, desc: str, total:
 
 
 def real_traces(model, tokenizer, n: int, cfg_choices: list[TraceConfig], seed: int = 0, min_len: int = 512,
-                max_len: int = 2048, progress: bool = True, seconds: float | None = None) -> list[dict]:
+                max_len: int = 2048, progress: bool = True, seconds: float | None = None,
+                text_sources: tuple[str, ...] = ("generator",)) -> list[dict]:
     """Traces of ``n`` real-text retrieval instances (kvpop/tasks/ruler.py, every
-    family in turn, from training seeds), chat-rendered for ``model``'s
-    template, each the prompt followed by the reference answer."""
+    family in turn, from training seeds, the haystack from each of
+    ``text_sources`` in turn), chat-rendered for ``model``'s template, each the
+    prompt followed by the reference answer. A held-out source is refused: it
+    is the yardstick for text no network was trained on."""
     from kvpop.tasks import ruler
+    from kvpop.tasks.sources import catalog as sources
 
+    held = [s for s in text_sources if sources.check(s) in sources.HELD_OUT]
+    if held or not text_sources:
+        raise ValueError(f"trace from training sources ({', '.join(sources.TRAINING)}), not "
+                         f"{', '.join(held) or 'none'}: {', '.join(sources.HELD_OUT)} are held out of training")
     rng = random.Random(f"estimator-real-traces:{seed}")
     fams = list(ruler.FAMILIES)
 
     def items():
         for i in range(n):
             inst = ruler.generate(fams[i % len(fams)], REAL_TRAIN_SEED_BASE + seed * 1_000_000 + i,
-                                  rng.randint(min_len, max_len), tokenizer)
+                                  rng.randint(min_len, max_len), tokenizer,
+                                  source=text_sources[(i // len(fams)) % len(text_sources)])
             yield inst.family, inst.prompt_ids, inst.solution_ids, None, None
     return _trace_all(model, items(), cfg_choices, rng, progress, "real-text traces", n, seconds)
 

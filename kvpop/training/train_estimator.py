@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="models/default", type=model_arg,
                    help="served model folder (HF layout), or a fetched name (smollm2-135m)")
     p.add_argument("--out", default=None, help="checkpoint path (default: MODEL/estimator.safetensors)")
+    p.add_argument("--sources", default="generator",
+                   help="--suite real: comma-separated haystack text sources, each in turn (kvpop/tasks/sources/): "
+                        "generator, docstrings, code, dialogue; the held-out reference and licenses are refused")
     p.add_argument("--suite", choices=("tasks", "real"), default="tasks",
                    help="what to trace: tasks (the default model's task families) or real (long-context "
                         "retrieval on real text for a chat model, as `kvpop eval --suite real`, training seeds)")
@@ -445,7 +448,7 @@ def run(args) -> int:
             try:
                 data = (prompt_file_traces(lm, tok, args.prompts, choices, args.seed) if args.prompts else
                         real_traces(lm, tok, args.n, choices, args.seed, args.min_len, args.max_len,
-                                    seconds=seconds))
+                                    seconds=seconds, text_sources=tuple(args.sources.split(","))))
             except (OSError, ValueError) as e:
                 print(f"cannot trace: {e}")
                 return 2

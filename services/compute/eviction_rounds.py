@@ -111,12 +111,20 @@ class EvictionRounds:
             return None
         return torch.cat(gone, -1)
 
+    def plan_wait(self, seq: Sequence) -> float:
+        """How long a sequence is held for its plan: plan_wait_s per prefill
+        chunk's worth of blocks its round must rank. The planner's work grows
+        with them, and the round at the end of an evict_after_prompt prompt
+        ranks the whole prompt at once, not one chunk."""
+        chunk_blocks = max(1, self.config.prefill_chunk // max(1, self.config.block_size))
+        return self.config.plan_wait_s * max(1.0, overshoot(seq) / chunk_blocks)
+
     def next_plan_deadline(self) -> float | None:
         """Seconds until the earliest held sequence's plan wait runs out."""
-        held = [s.plan_wait_since for s in self.scheduler.running if s.holding]
+        held = [s.plan_wait_since + self.plan_wait(s) for s in self.scheduler.running if s.holding]
         if not held:
             return None
-        return max(0.0, min(held) + self.config.plan_wait_s - time.monotonic())
+        return max(0.0, min(held) - time.monotonic())
 
     def after_step(self, seqs: list[Sequence]) -> None:
         """Budgeted sequences after a step, all at once: block summaries, the
@@ -218,7 +226,7 @@ class EvictionRounds:
             if seq.plan_wait_since is None:
                 seq.plan_wait_since = now    # held from the next schedule on
                 return
-            if now - seq.plan_wait_since < self.config.plan_wait_s:
+            if now - seq.plan_wait_since < self.plan_wait(seq):
                 return
             reason, seq.plan_gave_up = NO_PLAN, True
         self._queue(seq, None, reason)

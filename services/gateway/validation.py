@@ -109,7 +109,13 @@ def validate(req: generate_pb2.GenerateRequest, cfg: GatewayConfig,
                 raise Invalid(f"{name} must be in [0, {info.max_model_len}] (the model's max length), got {value}")
             setattr(ev, name, value)
     ev.evict_after_prompt = req.evict_after_prompt
-    if req.HasField("prefill_allowance"):
+    if not req.evict_after_prompt and not req.HasField("prefill_allowance"):
+        # Neither says when the budget starts to hold: the stack's default protocol
+        # (KVPOP_DEFAULT_PREFILL). prefill_allowance=1 asks for the budget held during prefill.
+        ev.evict_after_prompt, allowance = cfg.prefill()
+        if allowance > 1.0:
+            ev.prefill_allowance = allowance
+    elif req.HasField("prefill_allowance"):
         _check_float("prefill_allowance", req.prefill_allowance, 1.0, MAX_PREFILL_ALLOWANCE, lo_open=False)
         if req.prefill_allowance > 1.0 and req.evict_after_prompt:
             raise Invalid("prefill_allowance and evict_after_prompt exclude each other: evict_after_prompt "

@@ -257,7 +257,9 @@ def _kvpop(*args, env, timeout=300):
 def test_chat_through_the_gateway(model_dir, engine, tmp_path):
     from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 
-    env = {**os.environ, "KVPOP_STATE_DIR": str(tmp_path / "state")}
+    # Every plan waited for however loaded the machine: served equals in process (which always
+    # has its plan) only when no late plan turns into the fallback's ranking.
+    env = {**os.environ, "KVPOP_STATE_DIR": str(tmp_path / "state"), "KVPOP_PLAN_WAIT_MS": "120000"}
     up = _kvpop("up", "--model", NAME, "--timeout", "280", env=env)
     assert up.returncode == 0, up.stderr
     try:
@@ -318,10 +320,11 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             assert before.get("estimator.safetensors", 0) > 0 and not before.get("estimator-long.safetensors")
             long_needle = ruler.generate("needle", 5, 2400, engine.tokenizer)
             _, usage, _ = chat(*[(m["role"], m["content"]) for m in long_needle.messages], max_tokens=4,
-                               policy="learned", budget_tokens=256)
+                               policy="learned", budget_tokens=256, prefill_allowance=1.0)
             assert usage.prompt_tokens > 2100 and usage.network_evictions == usage.kv_blocks_evicted > 0, usage
-            # Held during prefill, the budget bounds the peak: budget + one 512-token chunk (+ a plan's
-            # slack) at once, where the whole 2,400-token prompt would be ~3x that.
+            # Held during prefill (prefill_allowance=1, whatever the stack's default), the budget bounds the
+            # peak: budget + one 512-token chunk (+ a plan's slack) at once, where the whole 2,400-token
+            # prompt would be ~3x that.
             rows, bs = info.num_layers * info.num_kv_heads, info.block_size
             assert usage.kv_blocks_resident < usage.kv_blocks_peak <= rows * (-(-(256 + 512) // bs) + 3), usage
             # prefill_allowance 2: twice the budget during prefill (a higher peak, still far below the
@@ -363,6 +366,28 @@ def test_chat_through_the_gateway(model_dir, engine, tmp_path):
             after = rows["learned+after"]
             assert after["errors"] == 0 and after["network_share"] >= 0.99, after
 
+            # `kvpop eval --via` on a held-out text source at 2k: the stack serves what the eval
+            # measures in process, line for line (the text, the KV held, the peak).
+            from kvpop.evaluation.cli import add_arguments as eval_arguments
+            from kvpop.evaluation.cli import run as run_eval
+            pe = argparse.ArgumentParser()
+            eval_arguments(pe)
+            common = ["--model", str(model_dir), "--suite", "real", "--source", "licenses", "--lengths", "2048",
+                      "--tasks", "needle", "--n", "1", "--policies", "dense,learned", "--compression", "0.875"]
+            via_out, here_out = tmp_path / "eval_via", tmp_path / "eval_here"
+            assert run_eval(pe.parse_args(common + ["--via", gateway, "--out", str(via_out)])) == 0
+            meta = json.loads((via_out / "meta.json").read_text())
+            assert meta["source"] == "licenses" and meta["held_out"] is True
+            assert (via_out / "results.md").read_text().count("licenses (held out of training)") == 1
+            assert run_eval(pe.parse_args(common + ["--no-kl", "--threads", "1", "--block-size", str(meta["block_size"]),
+                                                    "--out", str(here_out)])) == 0
+            lines = [json.loads(x) for x in (via_out / "outcomes.jsonl").read_text().splitlines()]
+            mine = {(x["policy"], x["seed"]): x for x in map(json.loads, (here_out / "outcomes.jsonl").read_text().splitlines())}
+            assert len(lines) == len(mine) == 2 and all(x["prompt_tokens"] > 2000 for x in lines)
+            for x in lines:
+                y = mine[x["policy"], x["seed"]]
+                assert (x["text"], x["held_tokens"], x["peak_kv_mib"]) == (y["text"], y["held_tokens"], y["peak_kv_mib"]), (x, y)
+
         gen = _kvpop("generate", "--chat", "What is the capital of France?", "--system", "Answer in one sentence.",
                      "--policy", "dense", "--max-tokens", "32", env=env, timeout=120)
         assert gen.returncode == 0, gen.stderr
@@ -394,6 +419,28 @@ def test_real_text_suite_prompts(engine):
     for seed in range(4):
         capped = ruler.generate("multikey", seed, 2048, tok, limit=2000)
         assert 1900 <= len(capped.prompt_ids) <= 2000 and all(a in capped.prompt for a in capped.answers)
+
+
+def test_real_text_prompts_from_every_source(engine):
+    """`kvpop eval --suite real --source NAME`: the same facts and question for
+    a seed whatever the haystack's text, at the length asked for, the same
+    prompt for the same seed; the text between the facts is the source's."""
+    from kvpop.tasks import ruler
+    from kvpop.tasks.sources import catalog as sources
+    tok = engine.tokenizer
+    for src in sources.SOURCES:
+        for fam in ("needle", "multikey", "vartrack"):
+            for length in (1024, 2048):
+                inst = ruler.generate(fam, 11, length, tok, source=src)
+                assert abs(len(inst.prompt_ids) - length) <= 0.02 * length, (src, fam, length, len(inst.prompt_ids))
+                assert inst.prompt_ids == tok.encode_chat(inst.messages) and inst.source == src
+                assert all(a in inst.prompt for a in inst.answers), (src, fam)
+                assert inst.prompt_ids == ruler.generate(fam, 11, length, tok, source=src).prompt_ids
+                assert inst.answers == ruler.generate(fam, 11, length, tok).answers
+        if src != "generator":
+            prompt = ruler.generate("needle", 11, 1024, tok, source=src).prompt
+            run = [u for u in sources.corpus(src).units if u in prompt]
+            assert sum(map(len, run)) > 0.8 * len(prompt) - 400, src      # the filler is the source's own text
 
 
 def test_real_text_prompts_with_the_question_first(engine):

@@ -108,9 +108,9 @@ def test_gateway_passes_evict_after_prompt_to_compute():
 
     info = generate_pb2.ModelInfo(policies=["dense", "h2o"], max_model_len=2048)
     req = generate_pb2.GenerateRequest(prompt="hi", policy="h2o", budget_tokens=64, evict_after_prompt=True)
-    assert validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+    assert validate(req, GatewayConfig(default_prefill="held"), info).eviction.evict_after_prompt
     req.evict_after_prompt = False
-    assert not validate(req, GatewayConfig(), info).eviction.evict_after_prompt
+    assert not validate(req, GatewayConfig(default_prefill="held"), info).eviction.evict_after_prompt
 
 
 @pytest.mark.parametrize("policy", ["h2o", "learned"])
@@ -190,3 +190,54 @@ def test_gateway_checks_and_passes_the_prefill_allowance():
     req.prefill_allowance, req.evict_after_prompt = 2.0, True
     with pytest.raises(Invalid, match="exclude each other"):
         validate(req, GatewayConfig(), info)
+
+
+@pytest.mark.parametrize("default, after, allowance", [("held", False, 0.0), ("after", True, 0.0),
+                                                       ("4x", False, 4.0), ("", None, None)])
+def test_a_request_that_says_nothing_gets_the_stacks_default_protocol(default, after, allowance):
+    """KVPOP_DEFAULT_PREFILL decides when the budget holds for a request that
+    sets neither field; a request that sets one gets what it asked, whatever the
+    default ('' is kvpop/runtime/config.py's DEFAULT_PREFILL)."""
+    from kvpop.runtime import prefill_protocol
+    from kvpop.runtime.config import DEFAULT_PREFILL, GatewayConfig
+    from kvpop.runtime.pb import generate_pb2
+    from services.gateway.validation import validate
+
+    if default == "":
+        after, n = prefill_protocol.parse(DEFAULT_PREFILL)
+        allowance = n if n > 1 else 0.0
+    cfg = GatewayConfig(default_prefill=default)
+    cfg.validate()
+    info = generate_pb2.ModelInfo(policies=["dense", "learned"], max_model_len=2048)
+    ev = validate(generate_pb2.GenerateRequest(prompt="hi", policy="learned", budget_tokens=64), cfg, info).eviction
+    assert (ev.evict_after_prompt, ev.prefill_allowance) == (after, allowance)
+    held = validate(generate_pb2.GenerateRequest(prompt="hi", policy="learned", budget_tokens=64,
+                                                 prefill_allowance=1.0), cfg, info).eviction
+    assert (held.evict_after_prompt, held.prefill_allowance) == (False, 1.0)      # compute: the budget itself
+    asked = validate(generate_pb2.GenerateRequest(prompt="hi", policy="learned", budget_tokens=64,
+                                                  evict_after_prompt=True), cfg, info).eviction
+    assert asked.evict_after_prompt and asked.prefill_allowance == 0.0
+
+
+@pytest.mark.parametrize("bad", ["during", "0.5x", "65x", "x"])
+def test_a_bad_default_protocol_fails_at_start_naming_the_variable(bad):
+    from kvpop.runtime.config import ConfigError, GatewayConfig
+    with pytest.raises(ConfigError, match="KVPOP_DEFAULT_PREFILL"):
+        GatewayConfig(default_prefill=bad).validate()
+
+
+def test_eval_labels_follow_the_default_protocol_and_suffixes_override_it():
+    from kvpop.runtime import prefill_protocol
+    from kvpop.runtime.config import DEFAULT_PREFILL
+    from kvpop.evaluation.harness import after_prompt, prefill_allowance, set_protocol
+    from kvpop.runtime.pb import generate_pb2
+
+    assert (after_prompt("learned"), prefill_allowance("learned")) == prefill_protocol.parse(DEFAULT_PREFILL)
+    assert (after_prompt("keydiff+after"), prefill_allowance("keydiff+after")) == (True, 1.0)
+    assert (after_prompt("learned+prefill1x"), prefill_allowance("learned+prefill1x")) == (False, 1.0)
+    assert (after_prompt("learned+prefill4x"), prefill_allowance("learned+prefill4x")) == (False, 4.0)
+    plain, held = generate_pb2.GenerateRequest(), generate_pb2.GenerateRequest()
+    set_protocol(plain, "learned")          # nothing set: the stack's default, as any client gets it
+    set_protocol(held, "learned+prefill1x")
+    assert not plain.evict_after_prompt and not plain.HasField("prefill_allowance")
+    assert held.HasField("prefill_allowance") and held.prefill_allowance == 1.0

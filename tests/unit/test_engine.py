@@ -14,6 +14,7 @@ from helpers_engine import (ScriptedAdvisor, dense_greedy, default_tokenizer, ra
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.async_engine import AsyncEngine
 from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.eviction import overshoot
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -444,3 +445,29 @@ def test_restarted_advisor_gets_the_resident_blocks_again(model):
     outs = run_all(engine)["r"]
     u = outs[-1].usage
     assert u.network_evictions == u.kv_blocks_evicted
+
+
+def test_the_plan_wait_grows_with_the_blocks_a_round_ranks(model):
+    """A round that ranks the whole prompt at once (evict_after_prompt) is held
+    for its plan plan_wait_s per prefill chunk of overshoot, a chunk's round
+    plan_wait_s: the planner's work grows with the blocks it ranks."""
+    prompt = random_prompt(80, seed=4)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    waits = {}
+    for after in (False, True):
+        # Plans come three steps late: the sequence is held over its budget, waiting.
+        engine = tiny_engine(model, advisor=ScriptedAdvisor(delay=3), prefill_chunk=8, plan_wait_s=60.0)
+        engine.add_request("r", prompt, sp, EvictionParams("learned", budget=32, sink=4, recent=8,
+                                                           after_prompt=after))
+        seq = engine.seqs.get("r")
+        for _ in range(200):          # until the sequence is held over its budget for a plan
+            engine.step()
+            seq = engine.seqs["r"]
+            if seq.holding and overshoot(seq) > 0:
+                break
+        waits[after] = (engine.rounds.plan_wait(seq), overshoot(seq))
+        engine.abort("r")
+        engine.step()
+    assert waits[False][0] == 60.0
+    wait, over = waits[True]
+    assert over > 2 * 8 // engine.config.block_size and wait == 60.0 * over / (8 // engine.config.block_size)
