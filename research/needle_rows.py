@@ -24,7 +24,7 @@ from kvpop.evaluation.local_advisor import LocalAdvisor  # noqa: E402
 from kvpop.evaluation.oracle import answer_attention  # noqa: E402
 from kvpop.models.fetch import model_arg  # noqa: E402
 from kvpop.tasks import ruler  # noqa: E402
-from services.compute.engine import EngineConfig, LLMEngine  # noqa: E402
+from services.compute.engine.engine import EngineConfig, LLMEngine  # noqa: E402
 
 
 def value_positions(inst) -> list[int]:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpop.tasks.suite import test_set  # noqa: E402
 from recall_signals import forward_with_probs  # noqa: E402 - beside this script
-from services.compute.loader import load_model  # noqa: E402
+from services.compute.model.loader import load_model  # noqa: E402
 
 RECENT = 8
 

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpop.tasks.suite import test_set  # noqa: E402
-from services.compute.loader import load_model  # noqa: E402
+from services.compute.model.loader import load_model  # noqa: E402
 
 RECENT = 8
 

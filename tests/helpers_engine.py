@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from helpers_models import randomize_
-from services.compute.engine import EngineConfig, LLMEngine
-from services.compute.model import TransformerModel
-from services.compute.model_config import ModelConfig
+from services.compute.engine.engine import EngineConfig, LLMEngine
+from services.compute.model.model import TransformerModel
+from services.compute.model.config import ModelConfig
 
 VOCAB = 259  # the placeholder's byte-level tokenizer (kvpop.models.default_model)
 
@@ -48,7 +48,7 @@ def default_tokenizer():
     from pathlib import Path
 
     from kvpop.models.default_model import build_tokenizer
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
     folder = Path(tempfile.mkdtemp(prefix="kvpop-tok-"))
     build_tokenizer().save(str(folder / "tokenizer.json"))
     return Tokenizer(folder)
@@ -110,7 +110,7 @@ class ScriptedAdvisor:
                 self.submitted += 1
 
     def take_plans(self):
-        from services.compute.advisor import EvictionPlan
+        from services.compute.eviction.advisor import EvictionPlan
         plans = {}
         with self._lock:
             for rid in list(self._due):

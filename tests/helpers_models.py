@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.compute.model import AttentionFn, TransformerModel
+from services.compute.model.model import AttentionFn, TransformerModel
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 

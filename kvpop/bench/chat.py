@@ -111,7 +111,7 @@ def measure(stub, pb, args, metrics_url: str | None) -> dict:
     for r in session + stateless:
         r["held_tokens_per_row"] = round(r["kv_blocks_resident"] * info.block_size / rows, 1)
         r["peak_tokens_per_row"] = round(r["kv_blocks_peak"] * info.block_size / rows, 1)
-    from services.compute.kv_pool import KVPool
+    from services.compute.engine.kv_pool import KVPool
     import torch
     page_bytes = KVPool.page_bytes(info.page_size or info.block_size, info.head_dim,
                                    getattr(torch, info.dtype or "float32"))

@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
 
 
 def _one(engine, prompt: list[int], new_tokens: int, eviction, tag: str) -> dict:
-    from services.compute.engine import SamplingParams
+    from services.compute.engine.engine import SamplingParams
 
     engine.add_request(tag, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True), eviction)
     stamps, usage = [], None
@@ -62,8 +62,8 @@ def bench(args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine, page_tokens
-    from services.compute.kv_pool import KVPool
+    from services.compute.engine.engine import EngineConfig, EvictionParams, LLMEngine, page_tokens
+    from services.compute.engine.kv_pool import KVPool
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -28,14 +28,14 @@ def prompts_for(n: int, mean_len: int, vocab: int, seed: int) -> list[list[int]]
 
 # ------------------------------------------------------------ our engine
 def make_engine(args, max_num_seqs: int, max_len: int, **config):
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine.engine import EngineConfig, LLMEngine
     return LLMEngine(EngineConfig(args.model, dtype=args.dtype, device=args.device, max_num_seqs=max_num_seqs,
                                   max_model_len=max_len, **config))
 
 
 def engine_decode(engine, prompts, new_tokens: int, eviction=None, tag="b") -> dict:
     """One batch through the engine: decode tok/s, the outputs, usage per sequence."""
-    from services.compute.engine import SamplingParams
+    from services.compute.engine.engine import SamplingParams
     sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
@@ -119,8 +119,8 @@ def hf_kv_bytes(model, total_len: int) -> int:
 def bench_engine(args) -> dict:
     from tqdm import tqdm
 
-    from services.compute.engine import EvictionParams
-    from services.compute.kv_pool import KVPool
+    from services.compute.engine.engine import EvictionParams
+    from services.compute.engine.kv_pool import KVPool
 
     max_batch = max(args.batch)
     prompts = prompts_for(max_batch, args.prompt_len, vocab_size(args.model), args.seed)

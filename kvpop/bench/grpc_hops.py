@@ -48,7 +48,7 @@ PROMPT = "Registers hold small numbers. a = 5. b = 7. c = a + b. What is c? "
 
 
 def _engine_round(engine, streams: int, new_tokens: int, tag: str) -> list[list[float]]:
-    from services.compute.engine import EvictionParams, SamplingParams
+    from services.compute.engine.engine import EvictionParams, SamplingParams
 
     ids = engine.tokenizer.encode(PROMPT, add_bos=True)
     stamps: dict[str, list[float]] = {}
@@ -64,7 +64,7 @@ def _engine_round(engine, streams: int, new_tokens: int, tag: str) -> list[list[
 
 
 def _async_round(aengine, streams: int, new_tokens: int, tag: str) -> list[list[float]]:
-    from services.compute.engine import EvictionParams, SamplingParams
+    from services.compute.engine.engine import EvictionParams, SamplingParams
 
     ids = aengine.engine.tokenizer.encode(PROMPT, add_bos=True)
 
@@ -125,8 +125,8 @@ def bench(args) -> dict:
     from kvpop.stack.down import stop_stack
     from kvpop.runtime.pb import compute_pb2_grpc, generate_pb2, generate_pb2_grpc
     from kvpop.runtime.security import sync_channel
-    from services.compute.async_engine import AsyncEngine
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine.async_engine import AsyncEngine
+    from services.compute.engine.engine import EngineConfig, LLMEngine
 
     if args.quick:
         args.streams, args.new_tokens, args.repeats = [1, 2], 24, 2

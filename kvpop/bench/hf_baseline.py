@@ -46,7 +46,7 @@ def run_hf(model_dir: str, insts, rate: float, seed: int, bar, new_tokens: int =
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     from kvpop.tasks.checker import is_correct
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
 
     tok = Tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -10,7 +10,7 @@
 2. decode: tokens/s of a random-weight ~1B Llama (Llama-3.2-1B shapes) in a
    static-shape decode loop over our kernels, batch 1/16/64, dense vs h2o at
    87.5% compression, CUDA Graph off/on.
-3. engine: the same model through services.compute.engine.LLMEngine (public
+3. engine: the same model through services.compute.engine.engine.LLMEngine (public
    API only, eager), dense vs h2o.
 Results: a printed table and <out>/bench.json (+ bench.png with matplotlib).
 """
@@ -155,8 +155,8 @@ def bench_attention(args, dev, dtype, peak, copy_bw, results):
 
 # ---------------------------------------------------------------- 2. decode loop
 def build_model(args, dev, dtype):
-    from services.compute.model import TransformerModel
-    from services.compute.model_config import ModelConfig
+    from services.compute.model.model import TransformerModel
+    from services.compute.model.config import ModelConfig
     if args.dry_run:
         cfg = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -313,7 +313,7 @@ def bench_decode(args, model, results):
 
 # ---------------------------------------------------------------- 3. engine
 def bench_engine(args, model, results, deadline):
-    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams
+    from services.compute.engine.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams
     dev = model.device
     ctx, steps, bs = args.engine_context, args.engine_steps, args.block_size
     for B in tqdm(args.batches, desc="engine"):

@@ -62,9 +62,9 @@ def step_135m_ms(repeats: int = 5) -> float:
     """One batch-1 decode step (64-token context) of a Llama with SmolLM2-135M's shape."""
     import torch
 
-    from services.compute.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams
-    from services.compute.model import TransformerModel
-    from services.compute.model_config import ModelConfig
+    from services.compute.engine.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams
+    from services.compute.model.model import TransformerModel
+    from services.compute.model.config import ModelConfig
 
     cfg = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192,

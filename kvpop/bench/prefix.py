@@ -15,7 +15,7 @@ def bench_prefix(args) -> dict:
     prompt prewarmed into its prefix cache, one without a prefix cache."""
     from tqdm import tqdm
 
-    from services.compute.engine import SamplingParams
+    from services.compute.engine.engine import SamplingParams
 
     vocab = vocab_size(args.model)
     system = prompts_for(1, args.system_len, vocab, args.seed)[0][:args.system_len]

@@ -67,9 +67,9 @@ def add_arguments(p) -> None:
 
 def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
     from kvpop.bench.serve import workload
-    from services.compute.budget import EvictionParams
-    from services.compute.engine import EngineConfig, LLMEngine, page_tokens
-    from services.compute.sampler import SamplingParams
+    from services.compute.eviction.budget import EvictionParams
+    from services.compute.engine.engine import EngineConfig, LLMEngine, page_tokens
+    from services.compute.model.sampler import SamplingParams
 
     counter = DispatchCounter()
     advisor = None
@@ -88,8 +88,8 @@ def _measure(args, model_dir: str, policy: str, n: int, device: str) -> dict:
         # The planner (folding in submit, scoring in take_plans) is the cache-manager's work.
         advisor.submit, advisor.take_plans = uncounted(advisor.submit), uncounted(advisor.take_plans)
     warm = 20
-    from services.compute.model_config import ModelConfig
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.config import ModelConfig
+    from services.compute.model.tokenizer import Tokenizer
     mc = ModelConfig.from_hf(model_dir)
     tok = Tokenizer(model_dir)
     prompts = [tok.encode(inst.prompt) for inst in workload(n, 0)]
@@ -144,7 +144,7 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from services.compute.loader import resolve_device
+    from services.compute.model.loader import resolve_device
     try:
         device = resolve_device(args.device)
     except ValueError as e:

@@ -114,8 +114,8 @@ def run(args) -> int:
     from kvpop.evaluation import report
     from kvpop.evaluation.harness import Harness, Setting
     from kvpop.tasks.suite import FAMILIES as TASK_FAMILIES
-    from services.compute.engine import EngineConfig, LLMEngine
-    from services.compute.policies import POLICY_NAMES
+    from services.compute.engine.engine import EngineConfig, LLMEngine
+    from services.compute.eviction.policies import POLICY_NAMES
 
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model)
@@ -158,7 +158,7 @@ def run(args) -> int:
         return 2
     if args.via:
         return run_via(args, policies, comps, families)
-    from services.compute.loader import resolve_device
+    from services.compute.model.loader import resolve_device
     try:   # before the prompts are built and the network loaded: a wrong device fails at once
         device = resolve_device(args.device)
     except ValueError as e:

@@ -146,10 +146,10 @@ class Harness:
         self.engine, self.sink, self.recent, self.bs, self.margin = engine, sink, recent, block_size, margin
         self.forcing = ForcingRunner(engine.runner)
         engine.runner = self.forcing
-        from services.compute.budget import min_budget_blocks
+        from services.compute.eviction.budget import min_budget_blocks
         self.min_budget = min_budget_blocks(-(-sink // block_size), recent, block_size) * block_size
         self._oracle_attention: dict = {}
-        from services.compute.kv_pool import KVPool
+        from services.compute.engine.kv_pool import KVPool
         m = engine.model
         self.rows = m.config.num_layers * m.config.num_kv_heads
         self.block_bytes = KVPool.page_bytes(block_size, m.config.head_dim, m.dtype)
@@ -165,7 +165,7 @@ class Harness:
         return self._oracle_attention[key]
 
     def _make(self, rid: str, o: Outcome, forced: bool):
-        from services.compute.engine import EvictionParams, SamplingParams
+        from services.compute.engine.engine import EvictionParams, SamplingParams
         inst, s = o.instance, o.setting
         sol = inst.solution_ids
         sampling = SamplingParams(max_tokens=len(sol) if forced else len(sol) + self.margin, temperature=0.0)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from services.cache_manager.planner import Planner
-from services.compute.advisor import EvictionPlan, FeatureBatch, PlanMailbox
+from services.compute.eviction.advisor import EvictionPlan, FeatureBatch, PlanMailbox
 
 
 class LocalAdvisor:

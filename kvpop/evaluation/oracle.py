@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from services.compute.policies import Policy
+from services.compute.eviction.policies import Policy
 
 QUERY_CHUNK = 512
 

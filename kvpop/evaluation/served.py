@@ -23,7 +23,7 @@ class ServedHarness:
     def __init__(self, address: str, sink: int = 4, recent: int = 8, margin: int = 16, concurrency: int = 16,
                  timeout: float = 600.0):
         from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
-        from services.compute.budget import min_budget_blocks
+        from services.compute.eviction.budget import min_budget_blocks
 
         self.pb = generate_pb2
         self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", -1)])
@@ -32,7 +32,7 @@ class ServedHarness:
         self.bs = self.info.block_size
         import torch
 
-        from services.compute.kv_pool import KVPool
+        from services.compute.engine.kv_pool import KVPool
         self.rows = self.info.num_layers * self.info.num_kv_heads
         self.block_bytes = KVPool.page_bytes(self.bs, self.info.head_dim, getattr(torch, self.info.dtype or "float32"))
         self.sink, self.recent, self.margin = sink, recent, margin

@@ -64,7 +64,7 @@ def build_tokenizer():
 
 
 def placeholder_config(vocab_size: int):
-    from services.compute.model_config import ModelConfig
+    from services.compute.model.config import ModelConfig
 
     return ModelConfig(
         architecture="llama", vocab_size=vocab_size, hidden_size=256, intermediate_size=512,
@@ -78,8 +78,8 @@ def placeholder_config(vocab_size: int):
 def build_placeholder(out_dir: str | Path, seed: int = 0) -> Path:
     import torch
 
-    from services.compute.loader import save_model
-    from services.compute.model import TransformerModel
+    from services.compute.model.loader import save_model
+    from services.compute.model.model import TransformerModel
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """Convert a Llama-architecture GGUF file (llama.cpp's format) into a Hugging
-Face folder that `services.compute.loader` and transformers both read:
+Face folder that `services.compute.model.loader` and transformers both read:
 config.json, model.safetensors (fp32), tokenizer.json, tokenizer_config.json
 (with the chat template), generation_config.json, special_tokens_map.json.
 

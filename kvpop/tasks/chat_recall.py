@@ -82,5 +82,5 @@ def test_set(tokenizer, n: int, gaps: list[int], families: list[str] | None = No
 
 def model_test_set(model_dir, n: int, gaps: list[int], families: list[str] | None = None,
                    seed: int = 0) -> list[TextInstance]:
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
     return test_set(Tokenizer(Path(model_dir)), n, gaps, families, seed)

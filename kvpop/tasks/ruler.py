@@ -178,7 +178,7 @@ def _tokens_per_unit(source: str, sep: str, tokenizer) -> float:
 
 def prompt_limit(model_dir) -> int:
     """Longest prompt for the model: its context less ANSWER_ROOM for the answer."""
-    from services.compute.model_config import ModelConfig
+    from services.compute.model.config import ModelConfig
     return ModelConfig.from_hf(Path(model_dir) / "config.json").max_position_embeddings - ANSWER_ROOM
 
 
@@ -200,5 +200,5 @@ def model_test_set(model_dir, n: int, lengths: list[int], families: list[str] | 
     model's tokenizer and chat template, prompts capped at :func:`prompt_limit`.
     Without the cap an "8k" prompt runs past SmolLM2's context and is not the
     prompt the eval ran."""
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
     return test_set(Tokenizer(model_dir), n, lengths, families, seed, prompt_limit(model_dir), question_at, source)

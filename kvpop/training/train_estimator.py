@@ -389,7 +389,7 @@ def run(args) -> int:
 
     from services.cache_manager.estimator import EstimatorConfig, ValueEstimator, load, save
     from kvpop.training.traces import TraceConfig, task_traces
-    from services.compute.loader import load_model
+    from services.compute.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -412,7 +412,7 @@ def run(args) -> int:
     if args.trace_only and not args.traces:
         print("--trace-only needs --traces FILE (where the traces go)")
         return 2
-    from services.compute.loader import resolve_device
+    from services.compute.model.loader import resolve_device
     try:
         device = resolve_device(args.device)
     except ValueError as e:
@@ -443,7 +443,7 @@ def run(args) -> int:
                    for b in bss for r in recents]
         if args.prompts or args.suite == "real":
             from kvpop.training.traces import prompt_file_traces, real_traces
-            from services.compute.tokenizer import Tokenizer
+            from services.compute.model.tokenizer import Tokenizer
             tok = Tokenizer(model_dir)
             try:
                 data = (prompt_file_traces(lm, tok, args.prompts, choices, args.seed) if args.prompts else

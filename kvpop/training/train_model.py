@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def model_config(args):
-    from services.compute.model_config import ModelConfig
+    from services.compute.model.config import ModelConfig
     return ModelConfig(
         architecture="llama", vocab_size=len(WORDS), hidden_size=args.hidden, intermediate_size=args.ff,
         num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
@@ -76,7 +76,7 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
 
 
 def export(model, out: Path, meta: dict) -> Path:
-    from services.compute.loader import save_model
+    from services.compute.model.loader import save_model
     tok = save_tokenizer(out / "tokenizer.json")
     dest = save_model(model, out / "model", tok)
     (dest / "training.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -102,7 +102,7 @@ def plot_curve(log_path: Path, png: Path) -> None:
 
 
 def run(args) -> int:
-    from services.compute.model import TransformerModel
+    from services.compute.model.model import TransformerModel
     torch.set_num_threads(args.threads)
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
     ckpt_path, log_path = out / "checkpoint.pt", out / "training_log.csv"
@@ -214,7 +214,7 @@ def run(args) -> int:
     bar.close()
     logf.close()
     if args.export:
-        from services.compute.loader import save_model
+        from services.compute.model.loader import save_model
         save_model(model, args.export, out / "tokenizer.json")
         print(f"exported to {args.export}")
     print(f"done: step {state['step']}, {state['elapsed'] / 60:.1f} min; model in {out / 'model'}")

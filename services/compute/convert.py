@@ -4,9 +4,9 @@ become response messages."""
 from __future__ import annotations
 
 from kvpop.runtime.pb import compute_pb2, generate_pb2
-from services.compute.budget import EvictionParams
-from services.compute.engine import StepOutput, Usage
-from services.compute.sampler import SamplingParams
+from services.compute.eviction.budget import EvictionParams
+from services.compute.engine.engine import StepOutput, Usage
+from services.compute.model.sampler import SamplingParams
 
 _FINISH = {"length": generate_pb2.FINISH_REASON_LENGTH, "stop": generate_pb2.FINISH_REASON_STOP,
            "eos": generate_pb2.FINISH_REASON_EOS, "abort": generate_pb2.FINISH_REASON_ABORTED}

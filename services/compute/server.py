@@ -71,11 +71,11 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
     def load(self, loop: asyncio.AbstractEventLoop) -> None:
         """Load the model and start the engine (runs in a worker thread)."""
-        from services.compute.advisor_client import AdvisorClient
-        from services.compute.async_engine import AsyncEngine
-        from services.compute.engine import EngineConfig
-        from services.compute.loader import resolve_device
-        from services.compute.policies import POLICY_NAMES
+        from services.compute.eviction.advisor_client import AdvisorClient
+        from services.compute.engine.async_engine import AsyncEngine
+        from services.compute.engine.engine import EngineConfig
+        from services.compute.model.loader import resolve_device
+        from services.compute.eviction.policies import POLICY_NAMES
 
         cfg = self.cfg
         device = resolve_device(cfg.device)
@@ -278,8 +278,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
     def _refusal_for(self, e: Exception) -> Refusal:
         """The status of an engine error: a session gone from this replica, a request
         the engine refused, or the engine shutting down (try elsewhere) or failing."""
-        from services.compute.async_engine import EngineError
-        from services.compute.session_cache import SessionNotParked
+        from services.compute.engine.async_engine import EngineError
+        from services.compute.engine.session_cache import SessionNotParked
 
         if isinstance(e, SessionNotParked):
             return Refusal(grpc.StatusCode.FAILED_PRECONDITION,
@@ -291,8 +291,8 @@ class ComputeServicer(compute_pb2_grpc.ComputeServicer):
 
     async def _generate(self, request):
         from services.compute import convert
-        from services.compute.async_engine import EngineError
-        from services.compute.session_cache import SessionNotParked
+        from services.compute.engine.async_engine import EngineError
+        from services.compute.engine.session_cache import SessionNotParked
 
         rid, sid = request.request_id, request.session_id or None
         history, held, turn = await self._prompt(request, sid)

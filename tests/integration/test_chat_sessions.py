@@ -74,7 +74,7 @@ class Chat:
 
     def dense(self, ids: list[int]) -> list[int]:
         """Greedy tokens of a fresh dense run over the whole conversation, in process."""
-        from services.compute.engine import SamplingParams
+        from services.compute.engine.engine import SamplingParams
         return [o.token_id for o in self.reference.generate(ids, SamplingParams(max_tokens=N, ignore_eos=True))]
 
 
@@ -223,6 +223,6 @@ def test_a_chat_session_is_its_keys_alone(redis_server, tmp_path):
             ask = {"role": "user", "content": "What is my PIN?"}
             ids, _, u = turn("alice", ask["content"])
             assert u.reprefilled_tokens == len(history)
-            from services.compute.engine import SamplingParams
+            from services.compute.engine.engine import SamplingParams
             whole = history + tok.encode_chat_turn([secret, {"role": "assistant", "content": text}], [ask])
             assert ids == [o.token_id for o in reference.generate(whole, SamplingParams(max_tokens=N, ignore_eos=True))]

@@ -7,7 +7,7 @@ import secrets
 
 from stack_helpers import compute_info
 from kvpop.runtime.pb import generate_pb2
-from services.compute.engine import EngineConfig, LLMEngine, SamplingParams
+from services.compute.engine.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _turn(gateway, sid, prompt):

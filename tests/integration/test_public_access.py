@@ -135,7 +135,7 @@ def test_a_session_is_its_keys_alone(keyed, stack, placeholder_model):
     # those of the whole history, the secret in it, recomputed in process.
     second, final = run(stub, req(" What is my PIN?", session_id=sid), md("alice"))
     assert final.usage.session_resumed
-    from services.compute.engine import EngineConfig, LLMEngine, SamplingParams
+    from services.compute.engine.engine import EngineConfig, LLMEngine, SamplingParams
     engine = LLMEngine(EngineConfig(str(placeholder_model), max_model_len=256, max_num_seqs=1,
                                     prefix_cache_fraction=0))
     tok = engine.tokenizer

@@ -242,7 +242,7 @@ def sessions_stack(redis, tmp, model, gateway_extra: dict | None = None, **repli
     """A gateway over the Redis registry and replica ``r-a`` on ``model``, both
     SERVING; yields (replicas, gateway address, Redis client, an in-process
     dense reference engine on the same model). Stops both at exit."""
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine.engine import EngineConfig, LLMEngine
 
     reps = Replicas(redis, tmp)
     gw_port = free_port()

@@ -56,7 +56,7 @@ class Chat:
 
     def dense(self, ids: list[int]) -> list[int]:
         """Greedy tokens of a fresh dense run over the whole conversation, in process."""
-        from services.compute.engine import SamplingParams
+        from services.compute.engine.engine import SamplingParams
         return [o.token_id for o in self.reference.generate(ids, SamplingParams(max_tokens=N, ignore_eos=True))]
 
 

@@ -90,7 +90,7 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine.engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model_dir=str(model_dir), max_model_len=512, num_pages=4000, max_num_seqs=32))
 
@@ -126,7 +126,7 @@ def test_fetch_is_cached_and_complete(model_dir):
 
 
 def test_weights_equal_transformers_gguf_conversion(model_dir, gguf_reference):
-    from services.compute.loader import load_model
+    from services.compute.model.loader import load_model
 
     ours = load_model(model_dir).state_dict()
     theirs = gguf_reference.state_dict()
@@ -164,7 +164,7 @@ def _hf_generate(reference, prompts: list[list[int]]):
 def _engine_generate(engine, prompts: list[list[int]]):
     """Our engine on the prompts, all admitted at once (one flat batch per step):
     (new ids per prompt, logits [prompt, step, vocab])."""
-    from services.compute.engine import EvictionParams, SamplingParams
+    from services.compute.engine.engine import EvictionParams, SamplingParams
 
     sampling = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     rows, restore = _record_logits(engine)

@@ -9,7 +9,7 @@ import pytest
 
 from helpers_engine import ScriptedAdvisor, dense_greedy, random_prompt, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.engine.engine import EvictionParams, SamplingParams
 
 BS, BUDGET, PROMPT = 4, 32, 120
 SP = SamplingParams(max_tokens=12, ignore_eos=True)

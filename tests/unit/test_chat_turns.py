@@ -11,7 +11,7 @@ import pytest
 
 from kvpop.runtime.pb import compute_pb2, generate_pb2
 from kvpop.runtime.session_store import Session, Turn
-from services.compute.chat_template import ChatTemplateError
+from services.compute.model.chat_template import ChatTemplateError
 from services.gateway.chats import check_kind, continue_chat
 from services.gateway.validation import Invalid
 
@@ -23,7 +23,7 @@ A1 = {"role": "assistant", "content": "A fine name."}
 
 def tokenizer(folder: Path, template: str = TEMPLATE):
     from kvpop.models.default_model import build_tokenizer
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
 
     folder.mkdir()
     build_tokenizer().save(str(folder / "tokenizer.json"))
@@ -67,7 +67,7 @@ def test_smollm2_turns_equal_its_whole_conversation():
     folder = Path(os.path.expanduser("~/.cache/kvpop/models/smollm2-135m"))
     if not (folder / "tokenizer.json").is_file():
         pytest.skip("smollm2-135m is not in the model cache (kvpop fetch-model smollm2-135m)")
-    from services.compute.tokenizer import Tokenizer
+    from services.compute.model.tokenizer import Tokenizer
 
     tok = Tokenizer(folder)
     end = tok.token_to_id("<|im_end|>")

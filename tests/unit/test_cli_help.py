@@ -17,7 +17,7 @@ from kvpop.stack.task_model_note import note_for
 
 
 def test_the_cli_lists_every_policy_compute_serves():
-    from services.compute.policies import POLICY_NAMES
+    from services.compute.eviction.policies import POLICY_NAMES
 
     assert sorted(POLICIES) == sorted(POLICY_NAMES)
 

@@ -12,9 +12,9 @@ import torch
 from helpers_engine import (ScriptedAdvisor, dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine,
                             tiny_model)
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.async_engine import AsyncEngine
-from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.eviction import overshoot
+from services.compute.engine.async_engine import AsyncEngine
+from services.compute.engine.engine import EvictionParams, SamplingParams
+from services.compute.eviction.evict import overshoot
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -359,7 +359,7 @@ def test_failing_advisor_is_treated_as_absent(model):
 def test_async_engine_survives_a_failing_step(model):
     """Fault injection: one step raises. The requests in it get EngineError;
     the loop keeps serving new requests and frees their pages."""
-    from services.compute.async_engine import EngineError
+    from services.compute.engine.async_engine import EngineError
 
     engine = tiny_engine(model)
     aengine = AsyncEngine(engine)

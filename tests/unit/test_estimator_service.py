@@ -30,8 +30,8 @@ from services.cache_manager.heuristic import AttentionPerAge, plan
 from kvpop.evaluation.local_advisor import LocalAdvisor
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord, ScoringState
-from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.advisor import BlockFeatures
+from services.compute.engine.engine import EvictionParams, SamplingParams
+from services.compute.eviction.advisor import BlockFeatures
 
 L, H, D = 2, 2, 16
 
@@ -276,7 +276,7 @@ def _connected_client(port: int):
     import asyncio
     import threading
 
-    from services.compute.advisor_client import AdvisorClient
+    from services.compute.eviction.advisor_client import AdvisorClient
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()

@@ -11,7 +11,7 @@ import torch
 
 from helpers_engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
 from kvpop.training.traces import TraceConfig, step_ends, submission_times, trace
-from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.engine.engine import EvictionParams, SamplingParams
 
 
 class Recording:

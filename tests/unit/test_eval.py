@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _tiny_model_dir(tmp: Path) -> Path:
     from kvpop.training.train_model import add_arguments, model_config
-    from services.compute.loader import save_model
-    from services.compute.model import TransformerModel
+    from services.compute.model.loader import save_model
+    from services.compute.model.model import TransformerModel
     p = argparse.ArgumentParser(); add_arguments(p)
     args = p.parse_args(["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ff", "96"])
     torch.manual_seed(0)
@@ -50,12 +50,12 @@ def task_model_dir(tmp_path_factory):
 
 
 def _engine(model_dir, block_size=1):
-    from services.compute.engine import EngineConfig, LLMEngine
+    from services.compute.engine.engine import EngineConfig, LLMEngine
     return LLMEngine(EngineConfig(str(model_dir), block_size=block_size, max_num_seqs=8, max_model_len=2048))
 
 
 def test_teacher_forced_dense_matches_full_forward(tiny_dir):
-    from services.compute.loader import load_model
+    from services.compute.model.loader import load_model
     insts = [generate(f, 11, 120) for f in ("recall", "arithmetic")]
     h = Harness(_engine(tiny_dir))
     outs = h.run([Setting("dense", 0.0)], insts, desc="tf")
@@ -70,7 +70,7 @@ def test_teacher_forced_dense_matches_full_forward(tiny_dir):
 
 
 def test_oracle_keeps_dependency_blocks_under_tight_budget(tiny_dir):
-    from services.compute.engine import EvictionParams, SamplingParams
+    from services.compute.engine.engine import EvictionParams, SamplingParams
     eng = _engine(tiny_dir, block_size=2)
     inst = generate("recall", 4, 600)
     budget = budget_tokens(inst, 0.9375, 0)
@@ -90,8 +90,8 @@ def test_oracle_keeps_dependency_blocks_under_tight_budget(tiny_dir):
 def test_oracle_ranks_each_row_by_the_dense_answers_attention(tiny_dir):
     """Without a dependency list, each (layer, kv-head) row keeps its protected
     blocks and, of the rest, those the dense answer attends to most."""
-    from services.compute.engine import EvictionParams, SamplingParams
-    from services.compute.loader import load_model
+    from services.compute.engine.engine import EvictionParams, SamplingParams
+    from services.compute.model.loader import load_model
     inst = generate("recall", 5, 300)
     ids, P = inst.prompt_ids + inst.solution_ids, len(inst.prompt_ids)
     att = answer_attention(load_model(tiny_dir), ids, P)

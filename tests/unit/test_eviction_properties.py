@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from helpers_engine import ScriptedAdvisor, check_invariants, random_prompt, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.budget import min_budget_blocks
-from services.compute.policies import POLICY_NAMES
+from services.compute.engine.engine import EvictionParams, SamplingParams
+from services.compute.eviction.budget import min_budget_blocks
+from services.compute.eviction.policies import POLICY_NAMES
 
 MODEL = tiny_model(seed=2)
 
@@ -121,8 +121,8 @@ def test_plan_ranks_are_each_blocks_first_place_in_its_rows_plan(data):
     sequences side by side, some without a plan."""
     import torch
 
-    from services.compute.advisor import EvictionPlan
-    from services.compute.eviction import plan_ranks
+    from services.compute.eviction.advisor import EvictionPlan
+    from services.compute.eviction.evict import plan_ranks
     L, H = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     seqs = []
     for _ in range(data.draw(st.integers(1, 3))):
@@ -157,12 +157,12 @@ def test_rounds_run_together_equal_rounds_run_alone(data):
 
     import torch
 
-    from services.compute.advisor import EvictionPlan
-    from services.compute.eviction import Round, evict_rounds, protected_mask
-    from services.compute.kv_pool import KVPool
-    from services.compute.policies import get_policy
-    from services.compute.sampler import SamplingParams
-    from services.compute.sequence import COLUMN_FIELDS, EvictionState, Sequence
+    from services.compute.eviction.advisor import EvictionPlan
+    from services.compute.eviction.evict import Round, evict_rounds, protected_mask
+    from services.compute.engine.kv_pool import KVPool
+    from services.compute.eviction.policies import get_policy
+    from services.compute.model.sampler import SamplingParams
+    from services.compute.engine.sequence import COLUMN_FIELDS, EvictionState, Sequence
 
     L, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), 4
     bs = data.draw(st.sampled_from([1, 4]))
@@ -217,9 +217,9 @@ def test_columns_grown_together_equal_columns_grown_alone(data):
 
     import torch
 
-    from services.compute.kv_pool import KVPool
-    from services.compute.sampler import SamplingParams
-    from services.compute.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks
+    from services.compute.engine.kv_pool import KVPool
+    from services.compute.model.sampler import SamplingParams
+    from services.compute.engine.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks
 
     L, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), 4
     pool = KVPool(4000, 2, D)
@@ -257,7 +257,7 @@ def test_page_tables_stacked_together_equal_each_padded_alone(data):
     import torch
     import torch.nn.functional as F
 
-    from services.compute.model_runner import stack_columns
+    from services.compute.model.runner import stack_columns
 
     L, H = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3))
     sizes = data.draw(st.lists(st.integers(0, 9), min_size=1, max_size=6))
@@ -281,9 +281,9 @@ def test_columns_grown_in_place_equal_columns_concatenated(data):
     dense sequence grown a block at a time is rebuilt only a few times."""
     import torch
 
-    from services.compute.kv_pool import KVPool
-    from services.compute.sampler import SamplingParams
-    from services.compute.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks, keep_columns
+    from services.compute.engine.kv_pool import KVPool
+    from services.compute.model.sampler import SamplingParams
+    from services.compute.engine.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks, keep_columns
 
     L, H, D = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3)), 4
     pool = KVPool(20000, 2, D)
@@ -332,9 +332,9 @@ def test_columns_grown_in_place_equal_columns_concatenated(data):
 def test_a_dense_sequence_grown_a_block_at_a_time_is_rebuilt_rarely():
     import torch
 
-    from services.compute.kv_pool import KVPool
-    from services.compute.sampler import SamplingParams
-    from services.compute.sequence import EvictionState, Sequence, append_blocks
+    from services.compute.engine.kv_pool import KVPool
+    from services.compute.model.sampler import SamplingParams
+    from services.compute.engine.sequence import EvictionState, Sequence, append_blocks
 
     pool = KVPool(5000, 1, 4)
     seq = Sequence("d", [3] * 10, SamplingParams(), EvictionState("dense", None, 1, 0, 0), 2, 2, 4, 1)
@@ -357,7 +357,7 @@ def test_one_packed_sort_orders_as_four_stable_sorts(data):
     scores, -0.0 and 0.0, infinities, named and unnamed blocks."""
     import torch
 
-    from services.compute.eviction import _order
+    from services.compute.eviction.evict import _order
 
     L, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 3))
     sizes = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=5))

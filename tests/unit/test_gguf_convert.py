@@ -19,8 +19,8 @@ import torch
 from helpers_models import hf_logits, make_hf_model
 from kvpop.models.default_model import byte_to_unicode
 from kvpop.models.gguf_convert import ConversionError, convert, hf_tensor_name, unpermute
-from services.compute.loader import load_model
-from services.compute.tokenizer import Tokenizer
+from services.compute.model.loader import load_model
+from services.compute.model.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from services.compute.kv_pool import KVPool, OutOfPages
+from services.compute.engine.kv_pool import KVPool, OutOfPages
 
 
 def test_alloc_free_accounting_and_page0_reserved():

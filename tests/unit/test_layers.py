@@ -55,13 +55,13 @@ def test_nothing_imports_a_higher_layer_or_another_service():
 
 
 def test_the_rule_catches_a_violation():
-    assert not _allowed("services.gateway.server", "services.compute.engine")
-    assert not _allowed("kvpop.runtime.metrics", "services.compute.engine")
+    assert not _allowed("services.gateway.server", "services.compute.engine.engine")
+    assert not _allowed("kvpop.runtime.metrics", "services.compute.engine.engine")
     assert not _allowed("kvpop.runtime.config", "kvpop.models.fetch")          # the runtime never uses a tool
     assert not _allowed("kvkernels.ops", "kvpop.bench.cli")
-    assert not _allowed("services.compute.engine", "kvpop.evaluation.harness")
+    assert not _allowed("services.compute.engine.engine", "kvpop.evaluation.harness")
     assert not _allowed("services.compute.server", "kvpop.stack.up")           # nor does a service
-    assert _allowed("kvpop.bench.cli", "services.compute.engine") and _allowed("services.compute.engine",
+    assert _allowed("kvpop.bench.cli", "services.compute.engine.engine") and _allowed("services.compute.engine.engine",
                                                                                "kvpop.runtime.config")
 
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from helpers_models import hf_logits, save_hf_model
 from kvpop.models.default_model import build_placeholder, is_placeholder
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
-from services.compute.loader import load_model, save_model
-from services.compute.model_config import ModelConfig
+from services.compute.model.loader import load_model, save_model
+from services.compute.model.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_config_layouts_agree():
 def test_resolve_device():
     import torch
 
-    from services.compute.loader import resolve_device
+    from services.compute.model.loader import resolve_device
     assert resolve_device("cpu") == "cpu"
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     if not torch.cuda.is_available():      # a CUDA device this torch cannot reach: one clear line

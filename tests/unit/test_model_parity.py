@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from services.compute.loader import load_model
+from services.compute.model.loader import load_model
 from helpers_models import ContiguousKVCache, hf_logits, run_step, save_hf_model
 
 FP32_ATOL = 1e-4

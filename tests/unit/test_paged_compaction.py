@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers_engine import ScriptedAdvisor, check_invariants, random_prompt, run_all, tiny_engine, tiny_model
-from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.eviction import Round, evict_rounds
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import EvictionState, Sequence, append_blocks
+from services.compute.engine.engine import EvictionParams, SamplingParams
+from services.compute.eviction.evict import Round, evict_rounds
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import EvictionState, Sequence, append_blocks
 
 POLICIES = ["streaming", "h2o", "tova", "snapkv", "knorm", "keydiff", "learned"]
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from kvkernels import ops
-from services.compute.advisor import EvictionPlan
-from services.compute.block_features import update_features
-from services.compute.eviction import Round, evict_rounds, protected_mask
-from services.compute.sequence import EvictionState
-from services.compute.kv_pool import KVPool
-from services.compute.policies import POLICIES, POLICY_NAMES, SnapKVPolicy, get_policy
-from services.compute.sampler import SamplingParams
-from services.compute.sequence import SNAPKV_WINDOW, Sequence
+from services.compute.eviction.advisor import EvictionPlan
+from services.compute.eviction.block_features import update_features
+from services.compute.eviction.evict import Round, evict_rounds, protected_mask
+from services.compute.engine.sequence import EvictionState
+from services.compute.engine.kv_pool import KVPool
+from services.compute.eviction.policies import POLICIES, POLICY_NAMES, SnapKVPolicy, get_policy
+from services.compute.model.sampler import SamplingParams
+from services.compute.engine.sequence import SNAPKV_WINDOW, Sequence
 
 BS, D = 4, 8
 
@@ -152,7 +152,7 @@ def test_eviction_select_contract_used_by_rounds():
 
 
 def test_batched_decode_observe_equals_one_by_one():
-    from services.compute.sequence import observe_decode
+    from services.compute.engine.sequence import observe_decode
     torch.manual_seed(0)
     a = [make_seq(n, p)[0] for n, p in ((3, "snapkv"), (5, "h2o"))]
     b = [make_seq(n, p)[0] for n, p in ((3, "snapkv"), (5, "h2o"))]

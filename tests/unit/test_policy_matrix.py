@@ -13,10 +13,10 @@ import torch
 from helpers_engine import check_invariants, random_prompt, tiny_engine
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from helpers_models import randomize_
-from services.compute.engine import EvictionParams, SamplingParams
-from services.compute.model import TransformerModel
-from services.compute.model_config import ModelConfig
-from services.compute.policies import POLICY_NAMES
+from services.compute.engine.engine import EvictionParams, SamplingParams
+from services.compute.model.model import TransformerModel
+from services.compute.model.config import ModelConfig
+from services.compute.eviction.policies import POLICY_NAMES
 
 ARCHS = {"llama": {}, "qwen2": {"attention_bias": True}, "mistral": {"sliding_window": 48}}
 SP = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -8,7 +8,7 @@ import torch
 
 from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.engine.engine import EvictionParams, SamplingParams
 
 import pytest
 
@@ -103,7 +103,7 @@ def test_async_engine_prewarm_texts_then_hits(model):
     import asyncio
 
     from helpers_engine import default_tokenizer
-    from services.compute.async_engine import AsyncEngine
+    from services.compute.engine.async_engine import AsyncEngine
 
     tok = default_tokenizer()
     aengine = AsyncEngine(tiny_engine(model, page_size=4, tokenizer=tok, prefix_cache_fraction=0.2))
@@ -142,7 +142,7 @@ def test_snapkv_request_on_a_prewarmed_prefix_carries_the_window_mass(model):
     """Prewarmed blocks keep a one-slot window (their prefill ran as h2o); a
     snapkv request's ring has SNAPKV_WINDOW slots: the cached window mass
     lands in one slot, so its score (the ring's sum) is what was cached."""
-    from services.compute.sequence import SNAPKV_WINDOW
+    from services.compute.engine.sequence import SNAPKV_WINDOW
     system = random_prompt(64, seed=2)
     engine = tiny_engine(model, page_size=4, prefix_cache_fraction=0.2)
     engine.prewarm([system])

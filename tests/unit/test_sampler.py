@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.compute.sampler import SamplingParams, make_generator, sample
+from services.compute.model.sampler import SamplingParams, make_generator, sample
 
 
 def seq(tokens=(), **kw):

@@ -10,9 +10,9 @@ import pytest
 
 from helpers_engine import random_prompt, run_all, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.async_engine import AsyncEngine
-from services.compute.engine import SamplingParams
-from services.compute.session_cache import SessionNotParked
+from services.compute.engine.async_engine import AsyncEngine
+from services.compute.engine.engine import SamplingParams
+from services.compute.engine.session_cache import SessionNotParked
 
 TTL_S = 60.0
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from helpers_engine import random_prompt, tiny_engine, tiny_model
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.engine.engine import EvictionParams, SamplingParams
 
 MODEL = tiny_model(seed=4)
 WINDOWED = tiny_model(seed=4, sliding_window=8)   # Mistral: dense rows shrink to the window

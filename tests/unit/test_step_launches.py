@@ -11,7 +11,7 @@ import pytest
 from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine
 from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from kvpop.bench.step import DispatchCounter
-from services.compute.engine import EvictionParams, SamplingParams
+from services.compute.engine.engine import EvictionParams, SamplingParams
 
 
 def launches_per_step(policy: str, n: int, steps: int = 34) -> list:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvpop.models.default_model import build_tokenizer
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
-from services.compute.tokenizer import Tokenizer
+from services.compute.model.tokenizer import Tokenizer
 
 SAMPLES = ["", "hello world", "  leading and trailing  ", "line\nbreak\ttab",
            "héllo wörld", "日本語のテキスト", "emoji 🙂👍🏽 mix", "r0 = 17; r1 = r0 + 5 -> 22"]

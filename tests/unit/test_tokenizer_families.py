@@ -21,7 +21,7 @@ import json
 
 import pytest
 
-from services.compute.tokenizer import Tokenizer
+from services.compute.model.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,7 +24,7 @@ def test_train_resume_and_export(tmp_path):
     rows = list(csv.DictReader((out / "training_log.csv").open()))
     assert [int(r["step"]) for r in rows] == [0]           # one row per 10 steps, not repeated on resume
     assert (out / "training_curve.png").stat().st_size > 1000
-    from services.compute.loader import load_model
+    from services.compute.model.loader import load_model
     for d in (out / "model", export):
         model = load_model(d)
         assert json.loads((d / "config.json").read_text())["num_hidden_layers"] == 2

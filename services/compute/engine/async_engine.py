@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import AsyncIterator
 
-from services.compute.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams, StepOutput
+from services.compute.engine.engine import EngineConfig, EvictionParams, LLMEngine, SamplingParams, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from kvkernels import ops
-from services.compute.advisor import FeatureBatch
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence
+from services.compute.eviction.advisor import FeatureBatch
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import Sequence
 
 
 def update_features(seqs: list[Sequence], pool: KVPool) -> None:

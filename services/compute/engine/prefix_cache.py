@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from kvkernels import ops
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import Sequence
 
 STATS = ("acc_mass", "last_mass", "win_mass", "key_mean", "value_norm", "reach")
 

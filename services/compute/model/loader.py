@@ -13,8 +13,8 @@ from safetensors import safe_open
 from torch import nn
 from safetensors.torch import save_file
 
-from services.compute.model import TransformerModel
-from services.compute.model_config import ModelConfig
+from services.compute.model.model import TransformerModel
+from services.compute.model.config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SINGLE_FILE = "model.safetensors"

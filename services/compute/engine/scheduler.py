@@ -31,9 +31,9 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from services.compute.eviction import shrink_budget
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence, SequenceStatus
+from services.compute.eviction.evict import shrink_budget
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.compute.model_config import ModelConfig
-from services.compute.rope import RotaryEmbedding, apply_rotary
+from services.compute.model.config import ModelConfig
+from services.compute.model.rope import RotaryEmbedding, apply_rotary
 
 # (layer_idx, q[T, Hq, d], k[T, Hkv, d], v[T, Hkv, d]) -> out[T, Hq, d]; q and k carry RoPE.
 AttentionFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]

@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from services.compute.eviction import eviction_round
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence
+from services.compute.eviction.evict import eviction_round
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import Sequence
 
 
 class SessionNotParked(ValueError):

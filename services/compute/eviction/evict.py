@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from kvkernels import ops
-from services.compute.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
-from services.compute.kv_pool import KVPool
-from services.compute.policies import LEARNED
-from services.compute.sequence import Sequence, keep_columns
+from services.compute.eviction.advisor import CLEANUP, FALLBACK, LOCAL, NO_PLAN, SHAPE_MISMATCH, UNRANKED, EvictionPlan
+from services.compute.engine.kv_pool import KVPool
+from services.compute.eviction.policies import LEARNED
+from services.compute.engine.sequence import Sequence, keep_columns
 
 
 # ------------------------------------------------------------------- rounds

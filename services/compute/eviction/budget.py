@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from kvpop.runtime.config import MAX_PREFILL_ALLOWANCE
-from services.compute.policies import LEARNED, POLICY_NAMES
-from services.compute.sequence import EvictionState
+from services.compute.eviction.policies import LEARNED, POLICY_NAMES
+from services.compute.engine.sequence import EvictionState
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kvkernels import ops
-from services.compute.kv_pool import KVPool
-from services.compute.sequence import Sequence, append_blocks, observe_decode
+from services.compute.engine.kv_pool import KVPool
+from services.compute.engine.sequence import Sequence, append_blocks, observe_decode
 
 
 @dataclass

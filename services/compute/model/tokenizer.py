@@ -128,7 +128,7 @@ class Tokenizer:
     def chat(self):
         """The model's chat template with this tokenizer (chat_template.Chat).
         ValueError when the model has no chat template."""
-        from services.compute.chat_template import Chat
+        from services.compute.model.chat_template import Chat
 
         if self.chat_template is None:
             raise ValueError("this model has no chat template (tokenizer_config.json chat_template); "

@@ -12,14 +12,14 @@ from collections import Counter
 
 import torch
 
-from services.compute.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor, FeatureBatch
-from services.compute.block_features import (blocks_leaving, leaving_features, resident_block_features,
+from services.compute.eviction.advisor import ADVISOR_DOWN, FALLBACK, NO_PLAN, EvictionAdvisor, FeatureBatch
+from services.compute.eviction.block_features import (blocks_leaving, leaving_features, resident_block_features,
                                              update_features)
-from services.compute.eviction import Round, evict_rounds, overshoot, plan_problem, usable_plan
-from services.compute.kv_pool import KVPool
-from services.compute.policies import LEARNED
-from services.compute.scheduler import Scheduler
-from services.compute.sequence import Sequence
+from services.compute.eviction.evict import Round, evict_rounds, overshoot, plan_problem, usable_plan
+from services.compute.engine.kv_pool import KVPool
+from services.compute.eviction.policies import LEARNED
+from services.compute.engine.scheduler import Scheduler
+from services.compute.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

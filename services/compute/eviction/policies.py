@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.compute.sequence import Sequence
+from services.compute.engine.sequence import Sequence
 
 
 class Policy:

@@ -25,7 +25,7 @@ from kvpop.runtime.metrics import get_metrics
 from kvpop.runtime.arrays import from_int_array, to_float_array, to_int_array
 from kvpop.runtime.pb import cache_manager_pb2 as pb
 from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc
-from services.compute.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, FeatureBatch, PlanMailbox
+from services.compute.eviction.advisor import MALFORMED_PLAN, BlockFeatures, EvictionPlan, FeatureBatch, PlanMailbox
 
 log = logging.getLogger(__name__)
 

@@ -23,19 +23,19 @@ from typing import Iterator
 import torch
 
 from kvpop.runtime.config import PLAN_INTERVAL, PREFILL_CHUNK
-from services.compute import detokenize
-from services.compute.advisor import FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
-from services.compute.budget import EvictionParams, resolve_eviction
-from services.compute.eviction import drop_outside_window, eviction_round, overshoot, usable_plan
-from services.compute.eviction_rounds import EvictionRounds
-from services.compute.kv_pool import KVPool
-from services.compute.model_runner import ModelRunner
-from services.compute.policies import LEARNED, get_policy
-from services.compute.prefix_cache import PrefixCache
-from services.compute.sampler import SamplingParams, make_generator, sample
-from services.compute.scheduler import Scheduler
-from services.compute.session_cache import SessionCache
-from services.compute.sequence import Sequence
+from services.compute.model import detokenize
+from services.compute.eviction.advisor import FALLBACK, NETWORK, NO_PLAN, EvictionAdvisor
+from services.compute.eviction.budget import EvictionParams, resolve_eviction
+from services.compute.eviction.evict import drop_outside_window, eviction_round, overshoot, usable_plan
+from services.compute.eviction.rounds import EvictionRounds
+from services.compute.engine.kv_pool import KVPool
+from services.compute.model.runner import ModelRunner
+from services.compute.eviction.policies import LEARNED, get_policy
+from services.compute.engine.prefix_cache import PrefixCache
+from services.compute.model.sampler import SamplingParams, make_generator, sample
+from services.compute.engine.scheduler import Scheduler
+from services.compute.engine.session_cache import SessionCache
+from services.compute.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, advisor: EvictionAdvisor | None = None,
                  model=None, tokenizer=None):
         if model is None:
-            from services.compute.loader import load_model
-            from services.compute.tokenizer import Tokenizer
+            from services.compute.model.loader import load_model
+            from services.compute.model.tokenizer import Tokenizer
             model = load_model(config.model_dir, config.dtype, config.device)
             tokenizer = Tokenizer(config.model_dir) if tokenizer is None else tokenizer
         self.config = config

@@ -4,7 +4,7 @@ stop strings cut out and a tail held back while it could still become one
 State lives on the sequence (`text`, `emitted`, `decoder`)."""
 from __future__ import annotations
 
-from services.compute.sequence import Sequence
+from services.compute.engine.sequence import Sequence
 
 
 def push(seq: Sequence, tok: int) -> tuple[str, bool]:

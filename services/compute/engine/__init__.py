@@ -1,0 +1,1 @@
+"""The engine: continuous batching over a paged KV pool, sequences and caches."""

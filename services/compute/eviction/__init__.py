@@ -1,0 +1,1 @@
+"""Eviction: budgets, policies, block features, rounds and the advisor link."""

@@ -1,0 +1,1 @@
+"""The model: its config, weights, forward pass, tokenizer and sampling."""
