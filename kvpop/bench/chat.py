@@ -19,7 +19,6 @@ so the pool gauge counts the session alone. User messages are everyday chat
 """
 from __future__ import annotations
 
-import json
 import random
 import re
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from kvpop.bench import outputs
 from kvpop.models.fetch import model_arg
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 
@@ -236,11 +236,5 @@ def run(args) -> int:
     results["machine"] = machine()
     results["command"] = "kvpop bench chat"
     print_results(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1))
-        print(f"results: {args.json}")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    outputs.write(results, args, plot, indent=1)
     return 0

@@ -19,12 +19,12 @@ the last token: prefill is excluded on both sides the same way.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
+from kvpop.bench import outputs
 from kvpop.bench.machine import machine
 from kvpop.flags import add_budget
 from kvpop.models.fetch import model_arg
@@ -110,13 +110,7 @@ def run(args) -> int:
     finally:
         torch.set_num_threads(threads)   # run() is also called in process (tests)
     results["command"] = "kvpop bench " + args.bench
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"results: {args.json}")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    outputs.write(results, args, plot)
     return 0
 
 

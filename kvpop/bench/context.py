@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from kvpop.bench import outputs
 from kvpop.flags import add_budget
 from kvpop.models.fetch import model_arg
 
@@ -155,11 +156,5 @@ def run(args) -> int:
         print(f"kvpop bench context: error: {e}")
         return 2
     print_table(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2))
-        print(f"results: {args.json}")
-    if args.plot:
-        plot(res, args.plot)
-        print(f"plot: {args.plot}")
+    outputs.write(res, args, plot)
     return 0

@@ -17,7 +17,6 @@ is identical and only the transport differs.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvpop.bench import outputs
 from kvpop.bench.loadgen import Stream, percentile
 from kvpop.models.fetch import model_arg
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
@@ -204,8 +204,5 @@ def run(args) -> int:
     from kvpop.bench.machine import machine
     res["machine"] = machine()
     print_table(res)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2))
-        print(f"results: {args.json}")
+    outputs.write(res, args)
     return 0

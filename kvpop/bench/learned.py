@@ -13,7 +13,6 @@ a running stack (real gRPC, the cache-manager's network deciding).
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from kvpop.bench import outputs
 from kvpop.bench.loadgen import Stream, percentile as _pct, request
 from kvpop.models.fetch import model_arg
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
@@ -107,13 +107,7 @@ def run(args) -> int:
     if plan:
         results["plan_over_135m_step"] = round(plan / results["step_135m_ms"], 3)
     print_results(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
-        print(f"results: {args.json}")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
+    outputs.write(results, args, plot)
     return 0
 
 

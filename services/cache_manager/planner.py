@@ -187,12 +187,7 @@ class Planner:
         seq = self.state.get(request_id)
         for r in records:
             seq.add(r)
-        if prompt_tokens > 0:
-            seq.prompt_tokens = int(prompt_tokens)
-        if gone is not None:
-            seq.mark_gone(gone)
-        if records and seq.block_size:
-            self._check_block_size(seq.block_size)
+        self._added(seq, len(records), prompt_tokens, gone)
 
     def add_arrays(self, request_id: str, a: dict[str, np.ndarray], gone: np.ndarray | None = None,
                    prompt_tokens: int = 0) -> None:
@@ -209,11 +204,16 @@ class Planner:
                                  + " do not fit [k, L, Hkv, d], [k, L, Hkv] and [k]")
         seq = self.state.get(request_id)
         seq.add_many(a)
+        self._added(seq, k, prompt_tokens, gone)
+
+    def _added(self, seq, blocks: int, prompt_tokens: int, gone: np.ndarray | None) -> None:
+        """What follows new blocks either way: the prompt's length, the rows'
+        evictions since the last batch, the block-size check."""
         if prompt_tokens > 0:
             seq.prompt_tokens = int(prompt_tokens)
         if gone is not None:
             seq.mark_gone(gone)
-        if k and seq.block_size:
+        if blocks and seq.block_size:
             self._check_block_size(seq.block_size)
 
     def _check_block_size(self, block_size: int) -> None:
