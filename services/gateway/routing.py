@@ -124,6 +124,11 @@ class Router:
         """Raises NoReplicaAvailable when every known replica is excluded."""
         if self.registry is not None:
             live = [r for r in await self._replicas() if r.id not in exclude]
+            if not live and time.monotonic() < self._fresh_until:
+                # Every replica known a moment ago is excluded: one that joined since
+                # (a failover's target) must not be missed for a cached list.
+                self._fresh_until = 0.0
+                live = [r for r in await self._replicas() if r.id not in exclude]
             # Replicas the health watch saw SERVING first; the others only when none is.
             live = [r for r in live if r.address not in self.down] or live
             if live:
