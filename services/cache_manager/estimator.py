@@ -354,11 +354,8 @@ class LearnedScorer:
             return [self.score(s) for s in seqs]
         todo = []
         for seq in seqs:
-            a = seq.arrays()
-            n, L, H, d = a["key_mean"].shape
-            if not self.compatible(L, H, d):
-                raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
-                                 f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
+            a = self._arrays(seq)
+            n = len(a["key_mean"])
             live, have = self._live(seq, n)
             ctx = int(self.model.cfg.prev_block and have > 0)
             todo.append((seq, a, live, (*block_inputs(a, have - ctx), gone_rows(a), ctx)))
@@ -370,6 +367,15 @@ class LearnedScorer:
             s = self.model.apply_curve(live.curves(), self._times(a))   # [R, n]
             out.append(s.view(L, H, n).permute(2, 0, 1).numpy())
         return out
+
+    def _arrays(self, seq) -> dict:
+        """The sequence's feature arrays, refused when they are not this network's shape."""
+        a = seq.arrays()
+        _, L, H, d = a["key_mean"].shape
+        if not self.compatible(L, H, d):
+            raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
+                             f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
+        return a
 
     def _live(self, seq, n: int):
         """The sequence's LiveRows (new if its cache is stale) and how many blocks it has seen."""
@@ -386,11 +392,8 @@ class LearnedScorer:
     @torch.no_grad()
     def score(self, seq) -> np.ndarray:
         """[n, L, Hkv] predicted log future importance; low = evict first."""
-        a = seq.arrays()
-        n, L, H, d = a["key_mean"].shape
-        if not self.compatible(L, H, d):
-            raise ValueError(f"estimator is for L={self.model.cfg.num_layers} Hkv={self.model.cfg.num_kv_heads} "
-                             f"d={self.model.cfg.head_dim}, features have L={L} Hkv={H} d={d}")
+        a = self._arrays(seq)
+        n, L, H, _ = a["key_mean"].shape
         layer, head = row_ids(L, H)
         c = seq.cache
         if c.get("model") is not self.model or c.get("revision") != seq.revision or c.get("n", 0) > n:
