@@ -96,3 +96,43 @@ def test_dense_requests_are_queued_not_shrunk(model):
     assert engine.stats()["running"] == 2 and engine.stats()["budget_shrinks"] == 0
     run_all(engine)
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_shrink_prices_each_budget_as_a_full_rescan_would(model):
+    """_shrink_one prices a candidate budget from the others' reservations
+    summed once; in a pressured run (dense, budgeted, in prefill, decoding,
+    after_prompt, a budget over the sequence's length) every price it asks
+    for equals lowering that budget and recomputing every reservation."""
+    engine = tiny_engine(model, page_size=4, num_pages=321, prefill_chunk=8, cleanup_threshold=0.6)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    kinds = [EvictionParams("h2o", budget=32, sink=4, recent=8), None,
+             EvictionParams("tova", budget=24, sink=4, recent=8, after_prompt=True),
+             EvictionParams("h2o", budget=40, sink=0, recent=4),
+             EvictionParams("h2o", budget=240, sink=4, recent=8)]   # twice its length: halved, still whole
+    for i in range(10):
+        engine.add_request(str(i), random_prompt(30 + 5 * i, i), sp, kinds[i % len(kinds)])
+    sched, priced_fast = engine.scheduler, engine.scheduler._lowering_budget
+    calls = []
+
+    def rescanned(seq, before, rest, others_budgeted):
+        st = seq.eviction
+        want = None
+        if st.budget_blocks is not None:
+            old, allowance, b = st.budget_blocks, st.prefill_blocks, st.budget_blocks
+            if not st.after_prompt:
+                st.prefill_blocks = None
+            while b > st.floor_blocks and want is None:
+                b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
+                st.budget_blocks = b
+                if sched.reserved() < before:
+                    want = b
+            st.budget_blocks, st.prefill_blocks = old, allowance
+        got = priced_fast(seq, before, rest, others_budgeted)
+        assert before == sched.reserved() and got == want, (seq.request_id, got, want)
+        calls.append((st.budget_blocks is not None and not sched.may_overshoot(seq), others_budgeted))
+        return got
+
+    sched._lowering_budget = rescanned
+    run_all(engine)
+    assert len(calls) > 20 and sched.budget_shrinks > 0
+    assert any(within and others for within, others in calls)   # the shared headroom's case was priced

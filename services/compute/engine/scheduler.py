@@ -145,21 +145,30 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _shrink_one(self) -> bool:
-        """Shrink one running budget so that the reservations go down."""
-        before = self.reserved()
-        for seq in sorted(self.running, key=lambda s: -(s.eviction.budget_blocks or 0)):
-            target = self._lowering_budget(seq, before)
+        """Shrink one running budget so that the reservations go down. Each
+        candidate budget is priced from the others' reservations summed once
+        (a step under pressure tries every running sequence: no rescans)."""
+        res = [self.reservation(s) for s in self.running]
+        total = sum(res)
+        budgeted = sum(1 for s in self.running if self.may_overshoot(s))
+        before = total + (self.headroom_pages(self.running[0]) * self.rows if budgeted else 0)
+        for i in sorted(range(len(self.running)), key=lambda i: -(self.running[i].eviction.budget_blocks or 0)):
+            seq = self.running[i]
+            others = budgeted - self.may_overshoot(seq)
+            target = self._lowering_budget(seq, before, total - res[i], others)
             if target is not None:
                 shrink_budget(seq, self.pool, target)
                 self.budget_shrinks += 1
                 return True
         return False
 
-    def _lowering_budget(self, seq: Sequence, before: int) -> int | None:
+    def _lowering_budget(self, seq: Sequence, before: int, rest: int, others_budgeted: int) -> int | None:
         """The first budget on the way to the floor (halving) at which the
-        reservations fall below ``before``, or None. A smaller budget does not
-        always lower them: below a sequence's length it may overshoot, and the
-        shared prefill headroom then counts."""
+        reservations fall below ``before``, or None. ``rest``: the other running
+        sequences' reservations; ``others_budgeted``: how many of them may
+        overshoot (then the shared prefill headroom counts whatever ``seq`` does).
+        A smaller budget does not always lower the total: below a sequence's
+        length it may overshoot, and the headroom then counts."""
         st = seq.eviction
         if st.budget_blocks is None:
             return None
@@ -168,10 +177,15 @@ class Scheduler:
         if not st.after_prompt:
             st.prefill_blocks = None      # shrink_budget drops an allowance first
         try:
+            # The headroom is the same for every sequence of an engine (one block and page size).
+            headroom = self.headroom_pages(seq) * self.rows
             while b > st.floor_blocks:
                 b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
                 st.budget_blocks = b
-                if self.reserved() < before:
+                total = rest + self.reservation(seq)
+                if others_budgeted or self.may_overshoot(seq):
+                    total += headroom
+                if total < before:
                     return b
             return None
         finally:
