@@ -241,3 +241,41 @@ def test_eval_labels_follow_the_default_protocol_and_suffixes_override_it():
     set_protocol(held, "learned+prefill1x")
     assert not plain.evict_after_prompt and not plain.HasField("prefill_allowance")
     assert held.HasField("prefill_allowance") and held.prefill_allowance == 1.0
+
+
+def test_after_prompt_requests_share_a_prompt_headroom(model):
+    """Prompts that go in above their budget draw the difference from one shared
+    prompt headroom, not each from its own reservation: a pool that holds three
+    whole prompts runs more requests than that at once, a prompt starts only when
+    its whole difference fits beside the ones going in (so every started prompt
+    completes), nothing is over-promised, and each request decodes as it does alone."""
+    rows = 2 * 2
+    prompt_blocks = math.ceil(PROMPT / BS) + 1
+    pages = 3 * (prompt_blocks + 8) * rows                   # three whole prompts and change
+    ev = EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, after_prompt=True)
+    prompts = [random_prompt(PROMPT - 4 * i, seed=20 + i) for i in range(8)]
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, num_pages=pages,
+                         cleanup_threshold=float("inf"))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SP, ev)
+    sched, most, tokens = engine.scheduler, 0, {str(i): [] for i in range(8)}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens[o.request_id].append(o.token_id)
+        most = max(most, len(sched.running))
+        assert sched.reserved() <= engine.pool.capacity
+        started = sum(sched.prompt_extra(s) for s in sched.prompting)
+        assert started <= sched.prompt_headroom(max((sched.prompt_extra(s) for s in sched.running), default=0))
+        # A prompt that has begun is among those drawing on the headroom.
+        assert all(any(s is q for q in sched.prompting) for s in sched.running
+                   if sched.prompt_extra(s) and s.num_cached)
+    assert most > 3, most
+    assert engine.pool.num_free == engine.pool.capacity
+    for i, p in enumerate(prompts):
+        alone = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
+        alone.add_request("r", p, SP, ev)
+        got = []
+        while alone.has_unfinished():
+            got += [o.token_id for o in alone.step() if o.token_id is not None]
+        assert tokens[str(i)] == got, i

@@ -114,7 +114,7 @@ def test_shrink_prices_each_budget_as_a_full_rescan_would(model):
     sched, priced_fast = engine.scheduler, engine.scheduler._lowering_budget
     calls = []
 
-    def rescanned(seq, before, rest, others_budgeted):
+    def rescanned(seq, before, rest, others_budgeted, others_extra):
         st = seq.eviction
         want = None
         if st.budget_blocks is not None:
@@ -127,7 +127,7 @@ def test_shrink_prices_each_budget_as_a_full_rescan_would(model):
                 if sched.reserved() < before:
                     want = b
             st.budget_blocks, st.prefill_blocks = old, allowance
-        got = priced_fast(seq, before, rest, others_budgeted)
+        got = priced_fast(seq, before, rest, others_budgeted, others_extra)
         assert before == sched.reserved() and got == want, (seq.request_id, got, want)
         calls.append((st.budget_blocks is not None and not sched.may_overshoot(seq), others_budgeted))
         return got

@@ -8,13 +8,17 @@ stalls the decodes). Sequences join and leave between steps.
 Admission is by reservation: a sequence reserves the most pages it can ever
 hold (its budgeted footprint), so a running sequence never runs out of pages
 and nothing is ever preempted. A budgeted sequence reserves its budget (plus
-slack and one block), not its prefill peak (except a request that asks for
-the budget after its prompt: it reserves the whole prompt until the round
-that follows its prefill): the blocks a prefill chunk puts
+slack and one block), not its prefill peak: the blocks a prefill chunk puts
 over budget, until its round evicts them (a learned one may wait for its
 plan), come from one shared **overshoot headroom** of a few chunks, and a chunk
-is only scheduled when all sequences' overshoot still fits in it. So
-concurrency scales with the budget, not with the chunk size. A budgeted
+is only scheduled when all sequences' overshoot still fits in it. A request
+whose prompt goes in above its budget (the budget after the prompt, or a
+prefill allowance) draws the difference from a shared **prompt headroom**:
+the largest such difference among the running, or a sixteenth of the pool if
+that is more. Its prompt starts only when its whole difference fits beside
+the prompts already going in, so a started prompt always completes; several
+short prompts go in at once, a long one alone. So concurrency scales with the
+budget, not with the chunk size or the prompt. A budgeted
 prompt is cut at fixed positions (multiples of its chunk) whatever else
 runs, so where its eviction rounds fall does not depend on the load. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
@@ -50,6 +54,7 @@ class Scheduler:
         # Objects with .num_pages and .drop_lru() -> bool, dropped from first to last.
         self.holders: list = []
         self.on_admit = None   # callback(seq) right after a sequence is admitted
+        self.prompting: list[Sequence] = []   # prompts drawing on the prompt headroom
 
     @staticmethod
     def dense_blocks(seq: Sequence) -> int:
@@ -71,7 +76,7 @@ class Scheduler:
                 return min(seq.pages_for(blocks),
                            seq.pages_for(math.ceil((self.window + self.prefill_chunk) / bs) + 2) + 1) * self.rows
             return seq.pages_for(blocks) * self.rows
-        return seq.pages_for(self.base_blocks(seq)) * self.rows
+        return seq.pages_for(self.budget_blocks(seq)) * self.rows
 
     @staticmethod
     def budget_blocks(seq: Sequence) -> int:
@@ -91,6 +96,26 @@ class Scheduler:
             # Until the round after its prompt evicts it down, it holds its prefill budget.
             return max(base, pb)
         return base
+
+    @staticmethod
+    def prompt_extra(seq: Sequence) -> int:
+        """Pages per row ``seq``'s prefill budget holds above its budget until the
+        round that follows its prompt (0 once that round has run, or without one)."""
+        st = seq.eviction
+        if st.budget_blocks is None or st.prefill_blocks is None:
+            return 0
+        base = Scheduler.budget_blocks(seq)
+        if not (seq.in_prefill or seq.num_blocks > base):
+            return 0
+        return max(0, seq.pages_for(st.prefill_blocks) - seq.pages_for(base))
+
+    def prompt_headroom(self, largest: int) -> int:
+        """Pages per row the prompt headroom holds, given the largest pending
+        prompt_extra: at least that (one prompt always fits), or a sixteenth of the
+        pool if more (several short prompts at once)."""
+        if largest <= 0:
+            return 0
+        return max(largest, self.pool.capacity // self.rows // 16)
 
     def may_overshoot(self, seq: Sequence) -> bool:
         """Whether ``seq`` can ever hold more than its base (its budget is below its length)."""
@@ -121,7 +146,7 @@ class Scheduler:
         budgeted = [s for s in seqs if self.may_overshoot(s)]
         if budgeted:
             total += self.headroom_pages(budgeted[0]) * self.rows
-        return total
+        return total + self.prompt_headroom(max((self.prompt_extra(s) for s in seqs), default=0)) * self.rows
 
     def held(self) -> int:
         return sum(h.num_pages for h in self.holders)
@@ -149,24 +174,31 @@ class Scheduler:
         candidate budget is priced from the others' reservations summed once
         (a step under pressure tries every running sequence: no rescans)."""
         res = [self.reservation(s) for s in self.running]
+        extra = [self.prompt_extra(s) for s in self.running]
         total = sum(res)
         budgeted = sum(1 for s in self.running if self.may_overshoot(s))
-        before = total + (self.headroom_pages(self.running[0]) * self.rows if budgeted else 0)
+        before = self.reserved()
+        # The largest prompt_extra without each sequence: the top one's is the runner-up.
+        top = sorted(range(len(extra)), key=lambda i: -extra[i])[:2]
         for i in sorted(range(len(self.running)), key=lambda i: -(self.running[i].eviction.budget_blocks or 0)):
             seq = self.running[i]
             others = budgeted - self.may_overshoot(seq)
-            target = self._lowering_budget(seq, before, total - res[i], others)
+            others_extra = extra[top[1]] if i == top[0] and len(top) > 1 else (0 if i == top[0] else extra[top[0]])
+            target = self._lowering_budget(seq, before, total - res[i], others, others_extra)
             if target is not None:
                 shrink_budget(seq, self.pool, target)
                 self.budget_shrinks += 1
                 return True
         return False
 
-    def _lowering_budget(self, seq: Sequence, before: int, rest: int, others_budgeted: int) -> int | None:
+    def _lowering_budget(self, seq: Sequence, before: int, rest: int, others_budgeted: int,
+                         others_extra: int = 0) -> int | None:
         """The first budget on the way to the floor (halving) at which the
         reservations fall below ``before``, or None. ``rest``: the other running
         sequences' reservations; ``others_budgeted``: how many of them may
-        overshoot (then the shared prefill headroom counts whatever ``seq`` does).
+        overshoot (then the shared prefill headroom counts whatever ``seq`` does);
+        ``others_extra``: the largest prompt_extra among them (a lower budget
+        raises ``seq``'s own, and with it maybe the prompt headroom).
         A smaller budget does not always lower the total: below a sequence's
         length it may overshoot, and the headroom then counts."""
         st = seq.eviction
@@ -185,6 +217,7 @@ class Scheduler:
                 total = rest + self.reservation(seq)
                 if others_budgeted or self.may_overshoot(seq):
                     total += headroom
+                total += self.prompt_headroom(max(others_extra, self.prompt_extra(seq))) * self.rows
                 if total < before:
                     return b
             return None
@@ -210,6 +243,10 @@ class Scheduler:
         self._admit()
         batch, chunk_left = [], self.prefill_chunk
         used = sum(self.headroom_used(s) for s in self.running)
+        running = set(map(id, self.running))
+        self.prompting = [s for s in self.prompting if id(s) in running and self.prompt_extra(s) > 0]
+        prompt_room = (self.prompt_headroom(max((self.prompt_extra(s) for s in self.running), default=0))
+                       - sum(self.prompt_extra(s) for s in self.prompting))
         for seq in self.running:
             if seq.holding:   # a learned sequence waiting for its eviction plan (only it waits)
                 continue
@@ -219,6 +256,13 @@ class Scheduler:
                 continue
             if chunk_left <= 0:
                 continue
+            extra = self.prompt_extra(seq)
+            if extra and all(s is not seq for s in self.prompting):
+                # Its whole prompt must fit beside those going in: once started, it completes.
+                if extra > prompt_room:
+                    continue
+                self.prompting.append(seq)
+                prompt_room -= extra
             t = min(todo, chunk_left)
             if self.may_overshoot(seq):
                 # A budgeted prompt is cut at fixed positions (multiples of its chunk),
