@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from helpers_engine import ScriptedAdvisor, dense_greedy, random_prompt, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import ScriptedAdvisor, dense_greedy, random_prompt, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.engine import EvictionParams, SamplingParams
 
 BS, BUDGET, PROMPT = 4, 32, 120

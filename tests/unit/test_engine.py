@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from helpers_engine import (ScriptedAdvisor, dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine,
+from helpers.engine import (ScriptedAdvisor, dense_greedy, default_tokenizer, random_prompt, run_all, tiny_engine,
                             tiny_model)
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.async_engine import AsyncEngine
 from services.compute.engine.engine import EvictionParams, SamplingParams
 from services.compute.eviction.evict import overshoot

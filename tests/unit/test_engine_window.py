@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.engine import SamplingParams
 
 WINDOW = 8

@@ -215,7 +215,7 @@ def test_training_learns_a_known_ranking():
 
 
 def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
-    from helpers_models import save_hf_model
+    from helpers.models import save_hf_model
     from kvpop.cli import main
     from kvpop.tasks.vocab import WORDS
     from services.cache_manager.planner import Planner

@@ -20,8 +20,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers_common import REPO, free_port
-from helpers_engine import one_thread, random_prompt, tiny_engine, tiny_model  # noqa: F401
+from helpers.common import REPO, free_port
+from helpers.engine import one_thread, random_prompt, tiny_engine, tiny_model  # noqa: F401
 from kvpop.runtime.arrays import from_int_array, to_float_array
 from kvpop.runtime.pb import cache_manager_pb2 as pb
 from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
+from helpers.engine import one_thread, random_prompt, run_all, tiny_engine, tiny_model  # noqa: F401
 from kvpop.training.traces import TraceConfig, step_ends, submission_times, trace
 from services.compute.engine.engine import EvictionParams, SamplingParams
 
@@ -210,7 +210,7 @@ def test_prompt_file_traces_read_prompts_chats_and_completions(tmp_path):
     and a bad line names its line number."""
     import json
 
-    from helpers_engine import default_tokenizer
+    from helpers.engine import default_tokenizer
     from kvpop.training.traces import prompt_file_traces
 
     tok = default_tokenizer()

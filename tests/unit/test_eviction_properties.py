@@ -16,8 +16,8 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers_engine import ScriptedAdvisor, check_invariants, random_prompt, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import ScriptedAdvisor, check_invariants, random_prompt, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.engine import EvictionParams, SamplingParams
 from services.compute.eviction.budget import min_budget_blocks
 from services.compute.eviction.policies import POLICY_NAMES

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_models import hf_logits, make_hf_model
+from helpers.models import hf_logits, make_hf_model
 from kvpop.models.default_model import byte_to_unicode
 from kvpop.models.gguf_convert import ConversionError, convert, hf_tensor_name, unpermute
 from services.compute.model.loader import load_model

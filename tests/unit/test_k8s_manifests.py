@@ -15,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helpers_common import REPO
+from helpers.common import REPO
 from kvpop.runtime import config
 from kvpop.runtime import security
 from kvpop.runtime.grpc_server import LIVE

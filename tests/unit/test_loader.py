@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers_models import hf_logits, save_hf_model
+from helpers.models import hf_logits, save_hf_model
 from kvpop.models.default_model import build_placeholder, is_placeholder
 from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 from services.compute.model.loader import load_model, save_model

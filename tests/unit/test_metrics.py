@@ -246,7 +246,7 @@ def test_service_metrics_on_loopback_with_token(tmp_path):
     import os
     import socket
 
-    from helpers_common import REPO, free_port, wait_until
+    from helpers.common import REPO, free_port, wait_until
 
     port, mport = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOP_", "OTEL_"))}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.compute.model.loader import load_model
-from helpers_models import ContiguousKVCache, hf_logits, run_step, save_hf_model
+from helpers.models import ContiguousKVCache, hf_logits, run_step, save_hf_model
 
 FP32_ATOL = 1e-4
 BF16_MEAN_FACTOR, BF16_MAX_FACTOR = 1.25, 2.0

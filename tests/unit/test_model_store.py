@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers_common import free_port
+from helpers.common import free_port
 from kvpop.runtime.config import ComputeConfig, ConfigError, load
 from kvpop.runtime.model_cache import CONVERTER_VERSION, KNOWN_MODELS, MARKER, is_fetched, model_dir, resolve_model
 from kvpop.runtime.paths import REPO_ROOT

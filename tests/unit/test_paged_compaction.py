@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers_engine import ScriptedAdvisor, check_invariants, random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import ScriptedAdvisor, check_invariants, random_prompt, run_all, tiny_engine, tiny_model
 from services.compute.engine.engine import EvictionParams, SamplingParams
 from services.compute.eviction.evict import Round, evict_rounds
 from services.compute.engine.kv_pool import KVPool

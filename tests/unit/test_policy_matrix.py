@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_engine import check_invariants, random_prompt, tiny_engine
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
-from helpers_models import randomize_
+from helpers.engine import check_invariants, random_prompt, tiny_engine
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.models import randomize_
 from services.compute.engine.engine import EvictionParams, SamplingParams
 from services.compute.model.model import TransformerModel
 from services.compute.model.config import ModelConfig

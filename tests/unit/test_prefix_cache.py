@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.engine import EvictionParams, SamplingParams
 
 import pytest
@@ -102,7 +102,7 @@ def test_bounded_lru_and_released_under_pool_pressure(model):
 def test_async_engine_prewarm_texts_then_hits(model):
     import asyncio
 
-    from helpers_engine import default_tokenizer
+    from helpers.engine import default_tokenizer
     from services.compute.engine.async_engine import AsyncEngine
 
     tok = default_tokenizer()

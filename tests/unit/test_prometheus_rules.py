@@ -10,7 +10,7 @@ import subprocess
 import yaml
 from prometheus_client import CollectorRegistry
 
-from helpers_prometheus import DASHBOARD, PROM_DIR, need
+from helpers.prometheus import DASHBOARD, PROM_DIR, need
 from kvpop.runtime.metrics import Metrics
 
 K8S_PROM = PROM_DIR.parent / "k8s" / "prometheus.yml"

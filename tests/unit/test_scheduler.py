@@ -2,8 +2,8 @@
 decode steps with a bounded prefill chunk, cleanup shrinking budgets."""
 import pytest
 
-from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.engine import EvictionParams, SamplingParams
 
 ROWS = 2 * 2  # layers x kv-heads of the tiny model: pages per block

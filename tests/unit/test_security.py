@@ -13,7 +13,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from helpers_pki import make_pki
+from helpers.pki import make_pki
 from kvpop.runtime import telemetry
 from kvpop.runtime.security import (
     ENV_CA, ENV_CERT, ENV_KEY, ENV_TOKEN, SecurityConfig, SecurityConfigError, add_port,

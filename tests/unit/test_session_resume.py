@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from helpers_engine import random_prompt, run_all, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.async_engine import AsyncEngine
 from services.compute.engine.engine import SamplingParams
 from services.compute.engine.session_cache import SessionNotParked

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from helpers_engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import dense_greedy, random_prompt, run_all, tiny_engine, tiny_model
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from services.compute.engine.async_engine import AsyncEngine
 from services.compute.engine.engine import EvictionParams, SamplingParams
 

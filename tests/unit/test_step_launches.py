@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers_engine import ScriptedAdvisor, random_prompt, tiny_engine
-from helpers_engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
+from helpers.engine import ScriptedAdvisor, random_prompt, tiny_engine
+from helpers.engine import one_thread  # noqa: F401  (autouse: single-threaded tiny tensors)
 from kvpop.bench.step import DispatchCounter
 from services.compute.engine.engine import EvictionParams, SamplingParams
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers_common import wait_until
+from helpers.common import wait_until
 from kvpop.stack.up import Proc, Stack, proc_start_time, request_restart
 from kvpop.runtime.paths import REPO_ROOT
 from kvpop.stack.supervisor import CRASH_LOOP_AFTER, MAX_DELAY_S, STATUS_FILE, restart_delay

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers_models import randomize_
+from helpers.models import randomize_
 from services.compute.engine.engine import EngineConfig, LLMEngine
 from services.compute.model.model import TransformerModel
 from services.compute.model.config import ModelConfig

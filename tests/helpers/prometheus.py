@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from helpers_common import REPO, free_port, stop_processes
+from helpers.common import REPO, free_port, stop_processes
 
 PROM_DIR = REPO / "deploy" / "monitoring" / "prometheus"
 DASHBOARD = REPO / "deploy" / "monitoring" / "grafana" / "kvpop.json"
