@@ -239,7 +239,7 @@ def test_bench_h2o_rounds_keep_page_tables_valid():
 
 
 # ---- the CUDA sources themselves, run on the CPU through the host emulation
-# (kvkernels/emulate.py): the GPU tests in test_kernels_cuda.py cover the real
+# (kvkernels/emulate.py): the GPU tests in test_cuda.py cover the real
 # device; these keep the kernels' logic checked on machines without one.
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the host emulation")
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.common import REPO
+
 # The repository speaks of the product: history lives in git, not in files.
 HISTORY = re.compile(r"session [0-9]|attempt [0-9]|issue #?[0-9]", re.IGNORECASE)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

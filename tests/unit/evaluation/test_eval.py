@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.common import REPO
 from kvpop.evaluation import report
 from kvpop.evaluation.harness import Harness, Outcome, Setting, budget_tokens, policy_spec
 from kvpop.evaluation.oracle import OraclePolicy, answer_attention
@@ -17,7 +18,6 @@ from kvpop.tasks.suite import generate
 from kvpop.tasks.checker import is_correct
 from kvpop.tasks.vocab import WORDS, decode_ids, save_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _tiny_model_dir(tmp: Path) -> Path:

@@ -1,7 +1,7 @@
 """CUDA kernels (kvkernels/cuda.py) against the PyTorch references.
 
 Needs a CUDA device and CuPy; skipped otherwise. kvkernels/gpu_check.sh runs it
-with pytest, or as a plain script (`python tests/unit/test_kernels_cuda.py`)
+with pytest, or as a plain script (`python tests/unit/kernels/test_cuda.py`)
 where pytest is not installed.
 
 Tolerances (outputs vs the reference run on the same GPU):
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from kvkernels import cuda, graphs, ops, reference  # noqa: E402
 
@@ -71,7 +71,7 @@ def check_attention(case, dtype, scale=None):
     d = case[0].shape[-1]
     scale = scale or 1 / math.sqrt(d)
     out, mass = cuda.paged_attention(*case, scale)
-    # The reference masks by index too (tests/unit/test_kernels_reference.py
+    # The reference masks by index too (tests/unit/kernels/test_reference.py
     # checks it ignores NaN padding), so it sees the same NaN-filled pool.
     want_out, want_mass = reference.paged_attention(*case, scale)
     assert out.dtype == dtype and out.shape == want_out.shape

@@ -6,9 +6,8 @@ above it, no service imports another service, and no import cycles."""
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from helpers.common import REPO
 
 
 def _layer(module: str) -> str:
