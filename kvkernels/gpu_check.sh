@@ -52,9 +52,9 @@ fi
 echo "== (a) kernel tests" | tee "$OUT/tests.log"
 if "$PY" -c "import pytest" 2>/dev/null; then
   timeout 180 "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" \
-    tests/unit/test_kernels_cuda.py 2>&1 | tee -a "$OUT/tests.log"
+    tests/unit/kernels/test_cuda.py 2>&1 | tee -a "$OUT/tests.log"
 else
-  timeout 180 "$PY" tests/unit/test_kernels_cuda.py 2>&1 | tee -a "$OUT/tests.log"
+  timeout 180 "$PY" tests/unit/kernels/test_cuda.py 2>&1 | tee -a "$OUT/tests.log"
 fi
 rc=${PIPESTATUS[0]}
 echo "tests exit code: $rc" | tee -a "$OUT/tests.log"

@@ -2,7 +2,7 @@
 
 protoc writes `from kvpop.v1 import generate_pb2`, which would need the proto
 package tree on sys.path; we flatten the output into kvpop/runtime/pb/ and rewrite those
-imports to package-relative ones (the TGI workaround). tests/unit/test_protos_fresh.py
+imports to package-relative ones (the TGI workaround). tests/unit/docs/test_protos_fresh.py
 regenerates into a temp dir and fails if the committed files differ.
 """
 from __future__ import annotations

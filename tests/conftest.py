@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from helpers_common import REPO, RedisServer, free_port  # noqa: F401  (re-exported)
+from helpers.common import REPO, RedisServer, free_port  # noqa: F401  (re-exported)
 
 # CI replays the same examples every run (a red CI always means a change
 # broke something); local runs keep exploring new ones.

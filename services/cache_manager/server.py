@@ -27,6 +27,7 @@ from kvpop.runtime.grpc_server import GrpcService
 from kvpop.runtime.metrics import get_metrics
 from kvpop.runtime.pb import cache_manager_pb2 as pb
 from kvpop.runtime.pb import cache_manager_pb2_grpc as pb_grpc
+from services.cache_manager.inbox import Due, Inbox, Rounds, groups
 from services.cache_manager.planner import Planner
 from services.cache_manager.scoring_state import BlockRecord
 
@@ -34,30 +35,17 @@ log = logging.getLogger(__name__)
 _tracer = telemetry.tracer("kvpop.cache_manager")
 
 
-# Most new blocks one network call folds in: decode batches (a page's worth each) of many
-# sequences share a call, while a prompt chunk (hundreds of blocks) goes on its own, so the
-# plans answered first do not wait for every prompt of the round.
-GROUP_BLOCKS = 256
-
-
-def _num_blocks(batch: pb.FeaturesBatch) -> int:
-    return len(batch.blocks) + (int(batch.arrays.block.shape[0]) if batch.HasField("arrays") and
-                                batch.arrays.block.shape else 0)
-
-
-def _groups(due: dict) -> list[list]:
-    """The round's due sequences, fewest new blocks first (a decoding sequence's plan
-    does not wait behind prompt chunks), in groups of at most GROUP_BLOCKS new
-    blocks (a larger batch alone)."""
-    groups, size = [], 0
-    for item in sorted(due.items(), key=lambda item: item[1][2]):
-        blocks = item[1][2]
-        if not groups or size + blocks > GROUP_BLOCKS:
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += blocks
-    return groups
+def _trace_plan(rid: str, due: Due, reply: pb.AdvisorReply, planned_with: int) -> None:
+    """A span under the features' trace (compute's step) and the plan counted by ranker."""
+    parent = telemetry.extract({"traceparent": due.message.traceparent, "tracestate": due.message.tracestate})
+    with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
+        span.set_attribute("kvpop.request_id", rid)
+        span.set_attribute("kvpop.blocks", due.blocks)
+        span.set_attribute("kvpop.messages", due.messages)
+        span.set_attribute("kvpop.planned_with", planned_with)
+        span.set_attribute("kvpop.ranker", reply.plan.ranker)
+        span.set_attribute("kvpop.estimator", reply.plan.estimator)
+    get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
 
 
 class CacheManagerServicer(pb_grpc.CacheManagerServicer):
@@ -91,21 +79,29 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                 nxt.cancel()
                 nxt.add_done_callback(lambda f: f.cancelled() or f.exception())   # retrieved: no "never retrieved" noise
 
-    def _fold(self, batch: pb.FeaturesBatch) -> None:
-        records = [BlockRecord(block=b.block, position=b.position, age=b.age,
-                               key_mean=from_float_array(b.key_mean),
-                               value_norm=from_float_array(b.value_norm),
-                               attention=from_float_array(b.attention),
-                               reach=from_float_array(b.reach) if b.HasField("reach") else None)
-                   for b in batch.blocks]
-        gone = from_int_array(batch.gone) if batch.HasField("gone") else None
-        self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone, batch.prompt_tokens)
-        if batch.HasField("arrays"):
-            a = batch.arrays
-            self.planner.add_arrays(batch.request_id, {
-                "block": from_int_array(a.block), "position": from_int_array(a.position), "age": from_int_array(a.age),
-                "key_mean": from_float_array(a.key_mean), "value_norm": from_float_array(a.value_norm),
-                "attention": from_float_array(a.attention), "reach": from_float_array(a.reach)}, gone, batch.prompt_tokens)
+    def _fold(self, batch: pb.FeaturesBatch) -> bool:
+        """Folds a features batch into the scoring state; False when it is malformed (logged and skipped)."""
+        try:
+            records = [BlockRecord(block=b.block, position=b.position, age=b.age,
+                                   key_mean=from_float_array(b.key_mean),
+                                   value_norm=from_float_array(b.value_norm),
+                                   attention=from_float_array(b.attention),
+                                   reach=from_float_array(b.reach) if b.HasField("reach") else None)
+                       for b in batch.blocks]
+            gone = from_int_array(batch.gone) if batch.HasField("gone") else None
+            self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone,
+                             batch.prompt_tokens)
+            if batch.HasField("arrays"):
+                a = batch.arrays
+                self.planner.add_arrays(batch.request_id, {
+                    "block": from_int_array(a.block), "position": from_int_array(a.position),
+                    "age": from_int_array(a.age), "key_mean": from_float_array(a.key_mean),
+                    "value_norm": from_float_array(a.value_norm), "attention": from_float_array(a.attention),
+                    "reach": from_float_array(a.reach)}, gone, batch.prompt_tokens)
+        except ValueError as e:
+            log.warning("skipping features for %s: %s", batch.request_id, e)
+            return False
+        return True
 
     def _plans(self, request_ids: list[str]) -> list[pb.AdvisorReply]:
         """One network call for every sequence due in the round (Planner.plan_many)."""
@@ -118,78 +114,26 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                 for rid, plan in zip(request_ids, plans)]
 
     async def Advise(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.AdvisorReply]:
-        """Messages are read by a task into a queue; each round folds every
-        message waiting and answers once per sequence with its newest plan,
-        the round's sequences scored in few network calls (``_groups``).
-        A backlog (many sequences, a slow network) thus costs one plan per
-        sequence per round, never one per message, so plans do not fall
-        further and further behind the features they answer."""
-        seen: set[str] = set()
-        parts: dict[str, tuple] = {}   # rid -> what its batch's earlier parts brought (no plan yet)
-        inbox: asyncio.Queue = asyncio.Queue()
-
-        async def read() -> None:
-            try:
-                async for msg in self._until_closing(request_iterator):
-                    inbox.put_nowait(msg)
-            finally:
-                inbox.put_nowait(None)
-
-        reader = asyncio.ensure_future(read())
+        """Each round folds every message waiting (``Inbox``, ``Rounds``) and
+        answers once per sequence with its newest plan, the round's sequences
+        scored in few network calls (``groups``)."""
+        inbox = Inbox(self._until_closing(request_iterator))
+        rounds = Rounds(self._fold, self.state.drop)
         told = self.planner.reads
         try:
             yield pb.AdvisorReply(inputs=pb.AdvisorInputs(reads=told))
-            while True:
-                msgs = [await inbox.get()]
-                while not inbox.empty():
-                    msgs.append(inbox.get_nowait())
-                due: dict[str, tuple[pb.AdvisorMessage, int, int]] = {}   # rid -> (last message, messages, blocks)
-                for msg in msgs:
-                    if msg is None:
-                        break
-                    kind = msg.WhichOneof("kind")
-                    if kind == "finished":
-                        rid = msg.finished.request_id
-                        self.state.drop(rid)
-                        seen.discard(rid)
-                        due.pop(rid, None)
-                        parts.pop(rid, None)
-                        continue
-                    if kind != "features" or not msg.features.request_id:
-                        continue
-                    rid = msg.features.request_id
-                    try:
-                        self._fold(msg.features)
-                    except ValueError as e:
-                        log.warning("skipping features for %s: %s", rid, e)
-                        continue
-                    seen.add(rid)
-                    _, n, blocks = parts.pop(rid, None) or due.pop(rid, None) or (None, 0, 0)
-                    # A part with more to come is folded, but planned only with its batch's last part.
-                    (parts if msg.features.more else due)[rid] = (msg, n + 1, blocks + _num_blocks(msg.features))
-                for group in _groups(due):
+            while not inbox.ended:
+                for group in groups(rounds.fold(await inbox.take())):
                     replies = self._plans([rid for rid, _ in group])
-                    for (rid, (msg, n, blocks)), reply in zip(group, replies):
-                        parent = telemetry.extract({"traceparent": msg.traceparent, "tracestate": msg.tracestate})
-                        with _tracer.start_as_current_span("cache_manager.plan", context=parent) as span:
-                            span.set_attribute("kvpop.request_id", rid)
-                            span.set_attribute("kvpop.blocks", blocks)
-                            span.set_attribute("kvpop.messages", n)
-                            span.set_attribute("kvpop.planned_with", len(replies))
-                            span.set_attribute("kvpop.ranker", reply.plan.ranker)
-                            span.set_attribute("kvpop.estimator", reply.plan.estimator)
-                        get_metrics().plans_sent.labels(reply.plan.estimator or "heuristic").inc()
+                    for (rid, due), reply in zip(group, replies):
+                        _trace_plan(rid, due, reply, len(replies))
                         yield reply
                 if self.planner.reads != told:      # a reload changed what the networks read
                     told = self.planner.reads
                     yield pb.AdvisorReply(inputs=pb.AdvisorInputs(reads=told))
-                if msgs[-1] is None:
-                    return
         finally:
-            reader.cancel()
-            # The compute process went away: its sequences will never finish here.
-            for rid in seen:
-                self.state.drop(rid)
+            inbox.close()
+            rounds.close()
 
 
 class CacheManagerApp:

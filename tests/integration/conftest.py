@@ -12,8 +12,8 @@ from kvpop.stack.up import Stack, free_port, start_stack
 from kvpop.stack.down import stop_stack
 from kvpop.runtime.pb import compute_pb2_grpc, generate_pb2_grpc
 from kvpop.runtime.security import sync_channel
-from otlp_receiver import start_receiver
-from stack_helpers import BLOCK_SIZE, stack_env
+from .otlp_receiver import start_receiver
+from .stack_helpers import BLOCK_SIZE, stack_env
 
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from helpers_common import stop_processes
+from helpers.common import stop_processes
 from kvpop.stack.up import free_port
 from kvpop.runtime.paths import REPO_ROOT
 from kvpop.runtime.security import ENV_TOKEN_FILE

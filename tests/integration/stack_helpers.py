@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from helpers_common import wait_until  # noqa: F401  (re-exported)
+from helpers.common import wait_until  # noqa: F401  (re-exported)
 from kvpop.runtime.pb import compute_pb2
 
 BLOCK_SIZE = 8

@@ -10,7 +10,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stack_helpers import compute_info, wait_until
+from .stack_helpers import compute_info, wait_until
 from kvpop.stack.up import free_port
 from kvpop.runtime.paths import REPO_ROOT
 from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc

@@ -19,7 +19,7 @@ import pytest
 from kvpop.stack.up import start_stack
 from kvpop.stack.down import stop_stack
 from kvpop.runtime.paths import REPO_ROOT as REPO
-from test_chat_sessions import chat_model
+from .test_chat_sessions import chat_model
 
 pytestmark = pytest.mark.slow
 

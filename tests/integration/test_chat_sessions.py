@@ -20,8 +20,8 @@ import pytest
 from kvpop.runtime.paths import REPO_ROOT as REPO
 from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 from kvpop.runtime.session_store import session_key, turns_key
-from helpers_common import wait_until
-from test_replicas import gateway_env, sessions_stack
+from helpers.common import wait_until
+from .test_replicas import gateway_env, sessions_stack
 
 pytestmark = pytest.mark.slow
 

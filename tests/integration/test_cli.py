@@ -11,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from helpers_models import save_hf_model
+from helpers.models import save_hf_model
 from kvpop.stack.up import Proc
 from kvpop.models.default_model import build_tokenizer
 from kvpop.runtime.paths import REPO_ROOT

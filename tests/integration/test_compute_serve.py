@@ -9,7 +9,7 @@ import queue
 import grpc
 
 from kvpop.runtime.pb import compute_pb2
-from stack_helpers import compute_info, wait_until
+from .stack_helpers import compute_info, wait_until
 
 NEW = 40
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 
-from stack_helpers import compute_info
+from .stack_helpers import compute_info
 from kvpop.runtime.pb import generate_pb2
 from services.compute.engine.engine import EngineConfig, LLMEngine, SamplingParams
 

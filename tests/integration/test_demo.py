@@ -32,7 +32,7 @@ def test_demo_refuses_a_stale_stack_and_names_kvpop_down(tmp_path):
 
 @pytest.mark.slow
 def test_demo_does_not_stream_from_a_stack_serving_another_model(tmp_path):
-    from helpers_models import save_hf_model
+    from helpers.models import save_hf_model
     from kvpop.models.default_model import build_tokenizer
 
     model = tmp_path / "qwen2"

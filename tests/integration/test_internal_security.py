@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
-from helpers_common import stop_processes
-from helpers_pki import make_pki
+from helpers.common import stop_processes
+from helpers.pki import make_pki
 from kvpop.stack.up import free_port
 from kvpop.runtime.paths import REPO_ROOT as REPO
 from kvpop.runtime.pb import cache_manager_pb2, cache_manager_pb2_grpc, compute_pb2, compute_pb2_grpc

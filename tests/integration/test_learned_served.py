@@ -21,7 +21,7 @@ from kvpop.runtime.paths import DEFAULT_MODEL_DIR
 from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
 from kvpop.runtime.security import sync_channel
 from kvpop.tasks import suite
-from stack_helpers import wait_until
+from .stack_helpers import wait_until
 
 pytestmark = pytest.mark.slow
 

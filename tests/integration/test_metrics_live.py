@@ -9,8 +9,8 @@ import urllib.request
 
 import grpc
 
-from helpers_common import collect
-from stack_helpers import compute_info, wait_until
+from helpers.common import collect
+from .stack_helpers import compute_info, wait_until
 from kvpop.runtime.pb import generate_pb2
 
 CANCELS = 8

@@ -9,10 +9,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from helpers_common import collect
-from helpers_prometheus import Prometheus, dashboard_queries, hpa_queries, stack_config
+from helpers.common import collect
+from helpers.prometheus import Prometheus, dashboard_queries, hpa_queries, stack_config
 from kvpop.runtime.pb import generate_pb2
-from stack_helpers import compute_info, wait_until
+from .stack_helpers import compute_info, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,11 @@ import grpc
 import pytest
 import redis as redis_sync
 
-from helpers_pki import make_pki
+from helpers.pki import make_pki
 from kvpop.runtime.paths import REPO_ROOT
 from kvpop.runtime.pb import generate_pb2, generate_pb2_grpc
 from kvpop.runtime.session_store import session_key
-from public_gateway import Burst, PublicGateway, reflected_generate
+from .public_gateway import Burst, PublicGateway, reflected_generate
 from services.gateway.apikeys import append_key, new_key, remove_key
 from services.gateway.ownership import claim_key
 

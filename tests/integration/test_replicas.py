@@ -24,7 +24,7 @@ from kvpop.runtime.pb import compute_pb2
 from kvpop.runtime.redis_client import connect
 from kvpop.runtime.replica_registry import ReplicaRegistry
 from services.gateway.routing import Router
-from helpers_common import stop_processes, wait_until
+from helpers.common import stop_processes, wait_until
 
 HEARTBEAT_S = 1.0
 pytestmark = pytest.mark.slow

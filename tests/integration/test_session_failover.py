@@ -16,8 +16,8 @@ import pytest
 
 from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2, generate_pb2_grpc
 from kvpop.runtime.session_store import session_key, turns_key
-from helpers_common import wait_until
-from test_replicas import sessions_stack
+from helpers.common import wait_until
+from .test_replicas import sessions_stack
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from helpers_common import collect
-from stack_helpers import BLOCK_SIZE, compute_info, wait_until
+from helpers.common import collect
+from .stack_helpers import BLOCK_SIZE, compute_info, wait_until
 import redis
 
 from kvpop.stack.up import restart_service

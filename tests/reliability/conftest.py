@@ -1,6 +1,6 @@
 """One stack for the reliability suite, started by the real `kvpop up` command
 with the internal APIs on mutual TLS + the shared token (certificates from
-helpers_pki), on a freshly built placeholder model: the suite runs against the
+tests/helpers/pki.py), on a freshly built placeholder model: the suite runs against the
 configuration a production deployment uses."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from helpers_pki import make_pki
+from helpers.pki import make_pki
 from kvpop.stack.up import Stack
 from kvpop.stack.down import stop_stack
 from kvpop.runtime.paths import REPO_ROOT

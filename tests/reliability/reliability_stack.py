@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from helpers_common import collect, wait_until  # noqa: F401  (re-exported)
+from helpers.common import collect, wait_until  # noqa: F401  (re-exported)
 from kvpop.stack.up import Stack
 from kvpop.runtime.paths import REPO_ROOT
 from kvpop.runtime.pb import compute_pb2, compute_pb2_grpc, generate_pb2

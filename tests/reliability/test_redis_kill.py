@@ -15,7 +15,7 @@ import grpc
 import pytest
 import redis
 
-from helpers_common import RedisServer
+from helpers.common import RedisServer
 from kvpop.stack.up import start_stack
 from kvpop.stack.down import stop_stack
 from kvpop.runtime.pb import generate_pb2_grpc
