@@ -15,15 +15,23 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from kvpop.tasks.sources.catalog import HELD_OUT  # noqa: E402  (the checkout's, run from anywhere)
 SHIPPED = sorted([*(REPO / "models" / "default").glob("estimator*.json"),
                   *(REPO / "kvpop" / "estimators").glob("*.json")])
 KEEP = ("0.5", "0.25", "0.125", "0.0625")
 RANKERS = (("learned", "this network"), ("attention_per_age", "attention per age (the cache-manager's heuristic)"),
            ("h2o", "h2o (attention so far)"), ("recency", "recency"))
 SUITES = {"tasks": "the default model's reasoning tasks (registers, arithmetic, recall, passkey), training seeds",
-          "real": "real-text retrieval chats (`kvpop eval --suite real`'s generator, training seeds)"}
+          "real": "real-text retrieval chats (`kvpop eval --suite real`, training seeds)"}
 RESULTS = {"models/default": "docs/results/eviction-quality.md",
            "smollm2-135m": "docs/results/long-context.md"}
+
+
+def _sources(trained: dict) -> list[str]:
+    """The text sources a real-suite network was traced on (checkpoints that do
+    not record them were traced before there was another: the generator)."""
+    return trained.get("sources") or ["generator"]
 
 
 def _shown(path: Path) -> Path:
@@ -82,7 +90,10 @@ def render(meta_path: Path) -> str:
         f"| network | self-attention over a row's blocks: d_model {cfg['d_model']}, {cfg['n_heads']} heads, depth "
         f"{cfg['depth']}; MLP re-run every {cfg['rescore_every']} new blocks |",
         f"| inputs per block | {_inputs(cfg)} |",
-        f"| trained on | {SUITES.get(t.get('suite'), t.get('suite', '?'))}: {t.get('traces', '?')} traces |",
+        f"| trained on | {SUITES.get(t.get('suite'), t.get('suite', '?'))}: {t.get('traces', '?')} traces"
+        + (f" of {t['lengths'][0]:,}–{t['lengths'][1]:,}-token prompts" if t.get("lengths") else "")
+        + (f"; haystack text from {', '.join(_sources(t))} (never traced: {', '.join(HELD_OUT)})"
+           if t.get("suite") == "real" else "") + " |",
         f"| traced at | block sizes {', '.join(map(str, sorted(set(t.get('block_sizes', [])))))}; recent windows "
         f"{', '.join(map(str, sorted(set(t.get('recent', [])))))} tokens; horizon {t.get('horizon', '?')} queries |",
         f"| target | {t.get('target', '?')} future attention" +

@@ -524,6 +524,9 @@ def run(args) -> int:
                    "answer_weight": args.answer_weight, "pair_weight": args.pair_weight,
                    "cross_rows": cfg.cross_rows, "reach": cfg.reach, "prev_block": cfg.prev_block,
                    "families": args.families,
+                   # Which text the traces read: a held-out table is only held out against these.
+                   "sources": args.sources.split(",") if args.suite == "real" and not args.prompts else None,
+                   "lengths": [args.min_len, args.max_len],
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
