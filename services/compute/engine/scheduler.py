@@ -22,8 +22,9 @@ budget, not with the chunk size or the prompt. A budgeted
 prompt is cut at fixed positions (multiples of its chunk) whatever else
 runs, so where its eviction rounds fall does not depend on the load. When admitting would push reservations past
 ``cleanup_threshold`` of the pool, running budgets are first shrunk toward
-their floor (docs/design/architecture.md, protocol step 6; a shrunk budget is not restored later); a
-request that still does not fit waits.
+their floor (docs/design/architecture.md, protocol step 6; a shrunk budget is not restored later),
+unless the request's prompt would only queue for the prompt headroom; a request that still does
+not fit waits.
 
 Pages held outside running sequences (the prefix cache, parked sessions:
 ``holders``) count against the pool too: admission keeps
@@ -228,7 +229,11 @@ class Scheduler:
         cap = self.pool.capacity
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            while self.reserved(seq) > self.cleanup_threshold * cap and self._shrink_one():
+            # Cleanup trades running budgets for a request that runs now. One whose prompt
+            # would queue behind prompts already waiting for the prompt headroom would not:
+            # it is admitted only as it fits.
+            behind = self.prompt_extra(seq) > 0 and any(self.prompt_extra(s) > 0 for s in self.running)
+            while not behind and self.reserved(seq) > self.cleanup_threshold * cap and self._shrink_one():
                 pass
             need = self.reserved(seq) - self.reserved()
             if self.reserved(seq) > cap or not self.make_room(need):

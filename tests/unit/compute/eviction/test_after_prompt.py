@@ -279,3 +279,24 @@ def test_after_prompt_requests_share_a_prompt_headroom(model):
         while alone.has_unfinished():
             got += [o.token_id for o in alone.step() if o.token_id is not None]
         assert tokens[str(i)] == got, i
+
+
+def test_cleanup_does_not_shrink_budgets_for_a_prompt_that_would_only_queue(model):
+    """With prompts waiting for the prompt headroom, shrinking running budgets to
+    admit another after-prompt request buys nothing (its prompt queues behind
+    them) and costs those requests their answers: no shrink. The same requests
+    with the budget held during prefill do shrink (cleanup as before)."""
+    rows = 2 * 2
+    prompt_blocks = math.ceil(PROMPT / BS) + 1
+    shrinks = {}
+    for after in (True, False):
+        engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16,
+                             num_pages=2 * (prompt_blocks + 8) * rows, cleanup_threshold=0.3)
+        ev = EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, after_prompt=after)
+        for i in range(6):
+            engine.add_request(str(i), random_prompt(PROMPT, seed=40 + i), SP, ev)
+        while engine.has_unfinished():
+            engine.step()
+        shrinks[after] = engine.scheduler.budget_shrinks
+        assert engine.pool.num_free == engine.pool.capacity
+    assert shrinks[True] == 0 and shrinks[False] > 0, shrinks
