@@ -230,10 +230,10 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # Cleanup trades running budgets for a request that runs now. One whose prompt
-            # would queue behind prompts already waiting for the prompt headroom would not:
+            # would queue behind the prompts ahead of it in the prompt headroom would not:
             # it is admitted only as it fits.
-            behind = self.prompt_extra(seq) > 0 and any(self.prompt_extra(s) > 0 for s in self.running)
-            while not behind and self.reserved(seq) > self.cleanup_threshold * cap and self._shrink_one():
+            while not self._queues_for_prompt(seq) and self.reserved(seq) > self.cleanup_threshold * cap \
+                    and self._shrink_one():
                 pass
             need = self.reserved(seq) - self.reserved()
             if self.reserved(seq) > cap or not self.make_room(need):
@@ -243,6 +243,15 @@ class Scheduler:
             self.running.append(seq)
             if self.on_admit is not None:
                 self.on_admit(seq)
+
+    def _queues_for_prompt(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s prompt would not fit the prompt headroom beside the
+        running requests' pending prompts (started or ahead of it in line)."""
+        extra = self.prompt_extra(seq)
+        if not extra:
+            return False
+        pending = [self.prompt_extra(s) for s in self.running]
+        return sum(pending) + extra > self.prompt_headroom(max(pending + [extra]))
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         self._admit()
