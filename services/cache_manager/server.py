@@ -89,8 +89,9 @@ class CacheManagerServicer(pb_grpc.CacheManagerServicer):
                                    reach=from_float_array(b.reach) if b.HasField("reach") else None)
                        for b in batch.blocks]
             gone = from_int_array(batch.gone) if batch.HasField("gone") else None
-            self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone,
-                             batch.prompt_tokens)
+            if records or not batch.HasField("arrays"):   # arrays alone: add_arrays does all of it
+                self.planner.add(batch.request_id, records, None if batch.HasField("arrays") else gone,
+                                 batch.prompt_tokens)
             if batch.HasField("arrays"):
                 a = batch.arrays
                 self.planner.add_arrays(batch.request_id, {

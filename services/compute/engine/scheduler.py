@@ -179,12 +179,12 @@ class Scheduler:
         total = sum(res)
         budgeted = sum(1 for s in self.running if self.may_overshoot(s))
         before = self.reserved()
-        # The largest prompt_extra without each sequence: the top one's is the runner-up.
-        top = sorted(range(len(extra)), key=lambda i: -extra[i])[:2]
+        # The largest prompt_extra among the others: the runner-up's for the largest.
+        first, second = (sorted(extra, reverse=True) + [0, 0])[:2]
         for i in sorted(range(len(self.running)), key=lambda i: -(self.running[i].eviction.budget_blocks or 0)):
             seq = self.running[i]
             others = budgeted - self.may_overshoot(seq)
-            others_extra = extra[top[1]] if i == top[0] and len(top) > 1 else (0 if i == top[0] else extra[top[0]])
+            others_extra = second if extra[i] == first else first
             target = self._lowering_budget(seq, before, total - res[i], others, others_extra)
             if target is not None:
                 shrink_budget(seq, self.pool, target)
