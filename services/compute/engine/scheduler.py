@@ -11,7 +11,8 @@ and nothing is ever preempted. A budgeted sequence reserves its budget (plus
 slack and one block), not its prefill peak: the blocks a prefill chunk puts
 over budget, until its round evicts them (a learned one may wait for its
 plan), come from one shared **overshoot headroom** of a few chunks, and a chunk
-is only scheduled when all sequences' overshoot still fits in it. A request
+is only scheduled when all sequences' overshoot still fits in it (set aside
+only while a running budget holds during prefill). A request
 whose prompt goes in above its budget (the budget after the prompt, or a
 prefill allowance) draws the difference from a shared **prompt headroom**:
 the largest such difference among the running, or a sixteenth of the pool if
@@ -124,6 +125,14 @@ class Scheduler:
             return False
         return self.budget_blocks(seq) < self.dense_blocks(seq)
 
+    def overshoots(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may hold a prompt chunk above its base: a budget held
+        during prefill, which the shared prefill headroom is for. A budget that
+        holds from the end of the prompt never does (its prompt is its base until
+        the round after it, and the prompt headroom holds that), so a pool of such
+        requests sets no prefill headroom aside."""
+        return self.may_overshoot(seq) and not seq.eviction.after_prompt
+
     def headroom_used(self, seq: Sequence) -> int:
         """Pages per row ``seq`` holds beyond its base (a prefill chunk not yet evicted)."""
         if seq.eviction.budget_blocks is None:
@@ -143,11 +152,24 @@ class Scheduler:
         return self._reserve(self.running + ([candidate] if candidate is not None else []))
 
     def _reserve(self, seqs: list[Sequence]) -> int:
-        total = sum(self.reservation(s) for s in seqs)
-        budgeted = [s for s in seqs if self.may_overshoot(s)]
-        if budgeted:
-            total += self.headroom_pages(budgeted[0]) * self.rows
-        return total + self.prompt_headroom(max((self.prompt_extra(s) for s in seqs), default=0)) * self.rows
+        return self._pages(self._tally(seqs))
+
+    def _tally(self, seqs: list[Sequence], tally=(0, 0, None)) -> tuple:
+        """(reservations, largest prompt_extra, a sequence that overshoots) of
+        ``seqs`` added to ``tally``: one pass (admission asks at every step)."""
+        total, extra, chunks = tally
+        for s in seqs:
+            total += self.reservation(s)
+            extra = max(extra, self.prompt_extra(s))
+            if chunks is None and self.overshoots(s):
+                chunks = s
+        return total, extra, chunks
+
+    def _pages(self, tally: tuple) -> int:
+        total, extra, chunks = tally
+        if chunks is not None:
+            total += self.headroom_pages(chunks) * self.rows
+        return total + self.prompt_headroom(extra) * self.rows
 
     def held(self) -> int:
         return sum(h.num_pages for h in self.holders)
@@ -177,13 +199,13 @@ class Scheduler:
         res = [self.reservation(s) for s in self.running]
         extra = [self.prompt_extra(s) for s in self.running]
         total = sum(res)
-        budgeted = sum(1 for s in self.running if self.may_overshoot(s))
+        budgeted = sum(1 for s in self.running if self.overshoots(s))
         before = self.reserved()
         # The largest prompt_extra among the others: the runner-up's for the largest.
         first, second = (sorted(extra, reverse=True) + [0, 0])[:2]
         for i in sorted(range(len(self.running)), key=lambda i: -(self.running[i].eviction.budget_blocks or 0)):
             seq = self.running[i]
-            others = budgeted - self.may_overshoot(seq)
+            others = budgeted - self.overshoots(seq)
             others_extra = second if extra[i] == first else first
             target = self._lowering_budget(seq, before, total - res[i], others, others_extra)
             if target is not None:
@@ -216,7 +238,7 @@ class Scheduler:
                 b = max(st.floor_blocks, (b + st.floor_blocks) // 2)
                 st.budget_blocks = b
                 total = rest + self.reservation(seq)
-                if others_budgeted or self.may_overshoot(seq):
+                if others_budgeted or self.overshoots(seq):
                     total += headroom
                 total += self.prompt_headroom(max(others_extra, self.prompt_extra(seq))) * self.rows
                 if total < before:
@@ -232,11 +254,13 @@ class Scheduler:
             # Cleanup trades running budgets for a request that runs now. One whose prompt
             # would queue behind the prompts ahead of it in the prompt headroom would not:
             # it is admitted only as it fits.
-            while not self._queues_for_prompt(seq) and self.reserved(seq) > self.cleanup_threshold * cap \
-                    and self._shrink_one():
-                pass
-            need = self.reserved(seq) - self.reserved()
-            if self.reserved(seq) > cap or not self.make_room(need):
+            running = self._tally(self.running)
+            with_it = self._pages(self._tally([seq], running))
+            while with_it > self.cleanup_threshold * cap and not self._queues_for_prompt(seq) and self._shrink_one():
+                running = self._tally(self.running)
+                with_it = self._pages(self._tally([seq], running))
+            # Holders give pages back only when the request does not fit beside them.
+            if with_it > cap or (with_it + self.held() > cap and not self.make_room(with_it - self._pages(running))):
                 return
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

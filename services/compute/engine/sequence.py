@@ -329,6 +329,18 @@ def _grows(seq: Sequence) -> bool:
     return st.budget_blocks is None or (st.after_prompt and seq.in_prefill)
 
 
+def _spare(seq: Sequence, size: int) -> int:
+    """Spare columns a rebuilt sequence gets. One that only grows: as many as
+    it holds (O(log n) rebuilds over its life). A budgeted one: what it may
+    add before its next round compacts it, so a round's rebuild is its only
+    one (at block size 1 a budgeted row grew by a rebuild of every column at
+    every decode step)."""
+    if _grows(seq):
+        return min(max(MIN_ROOM, size), MAX_ROOM)
+    st = seq.eviction
+    return min(st.round_slack + st.slack_blocks + 1, MAX_ROOM)
+
+
 def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: list[int],
                   num: list[int] | None = None) -> None:
     """``Sequence.append_blocks`` of several sequences as one. At block size 1
@@ -391,7 +403,7 @@ def _append_rebuilt(seqs: list[Sequence], kl: list[int], new: dict) -> None:
     L, H = seqs[0].num_layers, seqs[0].num_kv_heads
     nbs = [s.num_blocks for s in seqs]
     sizes = [n + k for n, k in zip(nbs, kl)]
-    room = [min(max(MIN_ROOM, n), MAX_ROOM) if _grows(s) else 0 for s, n in zip(seqs, sizes)]
+    room = [_spare(s, n) for s, n in zip(seqs, sizes)]
     spans = [n + r for n, r in zip(sizes, room)]
     n_old, n_new = sum(nbs), sum(kl)
     # Where each sequence's old columns and new ones land in the joined layout.

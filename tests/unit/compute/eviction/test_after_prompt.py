@@ -300,3 +300,47 @@ def test_cleanup_does_not_shrink_budgets_for_a_prompt_that_would_only_queue(mode
         shrinks[after] = engine.scheduler.budget_shrinks
         assert engine.pool.num_free == engine.pool.capacity
     assert shrinks[True] == 0 and shrinks[False] > 0, shrinks
+
+
+def test_budgets_after_the_prompt_set_no_chunk_headroom_aside(model):
+    """The shared chunk headroom is for prompts that go over a budget held
+    during prefill; a prompt whose budget holds after it never goes over what it
+    holds. A pool of exactly K budgets and one prompt runs K after-prompt
+    requests at once (no page is ever missing: the pool would refuse the
+    allocation), each decoding as it does alone; one request holding its budget
+    during prefill brings the chunk headroom back."""
+    rows, K = 2 * 2, 5
+    ev = EvictionParams("h2o", budget=BUDGET, sink=4, recent=8, after_prompt=True)
+    prompts = [random_prompt(PROMPT, seed=60 + i) for i in range(K)]
+    probe = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
+    for i, p in enumerate(prompts):
+        probe.add_request(str(i), p, SP, ev)
+    sched, seqs = probe.scheduler, list(probe.scheduler.waiting)
+    budgets = sum(sched.reservation(s) for s in seqs)
+    prompt = sched.prompt_headroom(max(sched.prompt_extra(s) for s in seqs)) * rows
+    assert sched._reserve(seqs) == budgets + prompt
+    probe.add_request("held", random_prompt(PROMPT, seed=70), SP,
+                      EvictionParams("h2o", budget=BUDGET, sink=4, recent=8))
+    held = sched.waiting[-1]
+    assert sched._reserve(seqs + [held]) == budgets + sched.reservation(held) + prompt \
+        + sched.headroom_pages(held) * rows
+
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16, num_pages=budgets + prompt,
+                         cleanup_threshold=float("inf"))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, SP, ev)
+    most, tokens = 0, {str(i): [] for i in range(K)}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.token_id is not None:
+                tokens[o.request_id].append(o.token_id)
+        most = max(most, len(engine.scheduler.running))
+    assert most == K
+    assert engine.pool.num_free == engine.pool.capacity
+    for i, p in enumerate(prompts):
+        alone = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
+        alone.add_request("r", p, SP, ev)
+        got = []
+        while alone.has_unfinished():
+            got += [o.token_id for o in alone.step() if o.token_id is not None]
+        assert tokens[str(i)] == got, i
