@@ -332,9 +332,9 @@ def _grows(seq: Sequence) -> bool:
 def _spare(seq: Sequence, size: int) -> int:
     """Spare columns a rebuilt sequence gets. One that only grows: as many as
     it holds (O(log n) rebuilds over its life). A budgeted one: what it may
-    add before its next round compacts it, so a round's rebuild is its only
-    one (at block size 1 a budgeted row grew by a rebuild of every column at
-    every decode step)."""
+    add before its next round compacts it, so the rebuild after a round is its
+    only one (without them a budgeted row at block size 1 would copy every
+    column at every decode step)."""
     if _grows(seq):
         return min(max(MIN_ROOM, size), MAX_ROOM)
     st = seq.eviction
