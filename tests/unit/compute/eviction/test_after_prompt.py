@@ -20,6 +20,16 @@ def model():
     return tiny_model(seed=3)
 
 
+def alone(model, prompt, ev) -> list[int]:
+    """The tokens a request decodes with an engine to itself."""
+    engine = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
+    engine.add_request("r", prompt, SP, ev)
+    got = []
+    while engine.has_unfinished():
+        got += [o.token_id for o in engine.step() if o.token_id is not None]
+    return got
+
+
 def trace(engine, ev):
     """Step a lone request to the end: (tokens, [(in_prefill, tokens out, blocks per row)] after every step, usage)."""
     engine.add_request("r", random_prompt(PROMPT, seed=5), SP, ev)
@@ -273,12 +283,7 @@ def test_after_prompt_requests_share_a_prompt_headroom(model):
     assert most > 3, most
     assert engine.pool.num_free == engine.pool.capacity
     for i, p in enumerate(prompts):
-        alone = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
-        alone.add_request("r", p, SP, ev)
-        got = []
-        while alone.has_unfinished():
-            got += [o.token_id for o in alone.step() if o.token_id is not None]
-        assert tokens[str(i)] == got, i
+        assert tokens[str(i)] == alone(model, p, ev), i
 
 
 def test_cleanup_does_not_shrink_budgets_for_a_prompt_that_would_only_queue(model):
@@ -338,9 +343,4 @@ def test_budgets_after_the_prompt_set_no_chunk_headroom_aside(model):
     assert most == K
     assert engine.pool.num_free == engine.pool.capacity
     for i, p in enumerate(prompts):
-        alone = tiny_engine(model, block_size=BS, page_size=BS, prefill_chunk=16)
-        alone.add_request("r", p, SP, ev)
-        got = []
-        while alone.has_unfinished():
-            got += [o.token_id for o in alone.step() if o.token_id is not None]
-        assert tokens[str(i)] == got, i
+        assert tokens[str(i)] == alone(model, p, ev), i
