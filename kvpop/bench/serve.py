@@ -16,7 +16,8 @@ saturation point). Every policy runs the same requests on the same stack and
 pool, one after the other. Reported per (policy, rate): requests/s, output
 tokens/s, TTFT, time per output token and inter-token latency (p50/p99),
 errors, peak pool pages and peak running sequences (polled from compute),
-the network's share of `learned` evictions, and answer accuracy.
+the network's share of `learned` evictions (the rest by reason: compute's
+fallback with no plan in time, cleanup, ...), and answer accuracy.
 
 The client is one asyncio loop (``grpc.aio``), every in-flight stream a task
 on it: a thread per stream cost more CPU than the host could spare from the
@@ -162,6 +163,13 @@ def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float
     out_tokens = sum(len(s.stamps) for s in ok)
     evicted = sum(s.usage.kv_blocks_evicted for s in ok if s.usage)
     network = sum(s.usage.network_evictions for s in ok if s.usage)
+    # What the network did not rank, by who did and why: compute's fallback per reason
+    # (no plan in time, cleanup, ...) and the cache-manager's heuristic.
+    others: dict[str, int] = {}
+    for u in (s.usage for s in ok if s.usage):
+        for reason, n in list(u.fallback_reasons.items()) + [("advisor_heuristic", u.advisor_heuristic_evictions)]:
+            if n:
+                others[reason] = others.get(reason, 0) + n
     ms = lambda xs, q: round(1000 * percentile(xs, q), 3)
     ttft, tpot = [s.ttft for s in ok], [s.tpot for s in ok if len(s.stamps) > 1]
     itl = [x for s in ok for x in s.itls()]
@@ -176,6 +184,8 @@ def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float
         "peak_running": peaks.running, "peak_pages": peaks.pages,
         "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
         "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
+        "network_evictions": network, "evictions": evicted,
+        "not_network": others if policy.startswith("learned") else {},
         "accuracy": round(sum(is_correct(inst, "".join(s.text)) for s, inst in answered) / max(1, len(ok)), 4),
         "client_cpu_s": round(cpu, 2), "_ttft": ttft, "_itl": itl,
         "_texts": [None if s.error else "".join(s.text) for s in streams],
@@ -340,6 +350,9 @@ def markdown(rows: list[dict]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
+        if r.get("not_network") and r.get("evictions"):
+            share += " (" + ", ".join(f"{k} {100 * n / r['evictions']:.1f}%"
+                                      for k, n in sorted(r["not_network"].items())) + ")"
         out.append("| " + " | ".join(str(x) for x in [
             r["policy"], r.get("layout") or "-", r.get("prefill_chunk") or "-", r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",

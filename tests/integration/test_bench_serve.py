@@ -43,6 +43,8 @@ def test_bench_serve_quick_writes_results_and_summary(tmp_path):
     learned = next(r for r in rows if r["policy"] == "learned")
     dense = next(r for r in rows if r["policy"] == "dense")
     assert learned["network_share"] >= 0.99, learned
+    # Every eviction is accounted: ranked by the network, or by someone else for a named reason.
+    assert learned["network_evictions"] + sum(learned["not_network"].values()) == learned["evictions"] > 0, learned
     assert learned["peak_pages"] < dense["peak_pages"], (learned, dense)   # the budget holds less KV
     assert summary["throughput_ratio"] > 0 and summary["concurrency_ratio"] > 0, summary
     assert (out / "throughput.png").is_file() and (out / "latency_cdf.png").is_file()
