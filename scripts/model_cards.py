@@ -29,9 +29,11 @@ RESULTS = {"models/default": "docs/results/eviction-quality.md",
 
 
 def _sources(trained: dict) -> list[str]:
-    """The text sources a real-suite network was traced on (checkpoints that do
-    not record them were traced before there was another: the generator)."""
-    return trained.get("sources") or ["generator"]
+    """The text sources a real-suite network and the ones it continues were
+    traced on (checkpoints that do not record them were traced before there was
+    another: the generator)."""
+    return list(dict.fromkeys((trained.get("sources") or ["generator"])
+                              + list((trained.get("init") or {}).get("sources") or [])))
 
 
 def _shown(path: Path) -> Path:

@@ -384,6 +384,21 @@ def plot(history, baselines_mass: dict, path: Path) -> None:
     fig.tight_layout(); fig.savefig(path, dpi=90); plt.close(fig)
 
 
+def lineage(trained: dict) -> dict:
+    """The text sources and prompt lengths a network and every network it
+    continues were traced on (what a held-out table is held out against), for
+    the ``init`` record of a network continued from it. Real-suite runs that
+    recorded no sources were traced on the generator, the only source then."""
+    earlier = trained.get("init") or {}
+    sources = trained.get("sources") or (["generator"] if trained.get("suite") == "real" else [])
+    sources = list(dict.fromkeys(sources + list(earlier.get("sources") or [])))
+    spans = [x for x in (trained.get("lengths"), earlier.get("lengths")) if x]
+    out = {"sources": sources} if sources else {}
+    if spans:
+        out["lengths"] = [min(x[0] for x in spans), max(x[1] for x in spans)]
+    return out
+
+
 def run(args) -> int:
     import torch
 
@@ -530,7 +545,8 @@ def run(args) -> int:
                    "held_out": ev}
     if prior:
         cfg.trained["init"] = {"path": str(args.init), "steps": prior.get("steps"), "minutes": prior.get("minutes"),
-                               "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean")}
+                               "held_out_mass": prior.get("held_out", {}).get("mass_at_k", {}).get("learned", {}).get("mean"),
+                               **lineage(prior)}
     # Traces cached before they recorded their prompt's length stand at --max-len.
     longest = max(int(e.get("prompt_len", args.max_len)) for e in data)
     cfg.max_context = max(longest, cfg.max_context if args.init else 0)

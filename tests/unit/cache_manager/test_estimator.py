@@ -259,6 +259,8 @@ def test_train_estimator_command_writes_a_loadable_checkpoint(tmp_path):
     again = load(out2).cfg
     assert rc == 0 and again.d_model == cfg.d_model and again.trained["init"]["path"] == str(out)
     assert again.max_context == cfg.max_context and cfg.block_sizes == [] and again.block_sizes == [1, 4]
+    # The continuation keeps what its init was traced on (lengths here; sources for real-text runs).
+    assert again.trained["init"]["lengths"] == [64, 96], again.trained["init"]
     assert main(["train-estimator", "--model", str(tmp_path / "m"), "--serves-block-sizes", "0", "--threads", "1",
                  "--traces", str(tmp_path / "traces.pt"), "--out", str(out2)]) == 2
     # A family cycle: an unknown family is one line, not a traceback.
