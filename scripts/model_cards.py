@@ -17,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from kvpop.tasks.sources.catalog import HELD_OUT  # noqa: E402  (the checkout's, run from anywhere)
+from kvpop.training.train_estimator import lineage  # noqa: E402
 SHIPPED = sorted([*(REPO / "models" / "default").glob("estimator*.json"),
                   *(REPO / "kvpop" / "estimators").glob("*.json")])
 KEEP = ("0.5", "0.25", "0.125", "0.0625")
@@ -26,14 +27,6 @@ SUITES = {"tasks": "the default model's reasoning tasks (registers, arithmetic, 
           "real": "real-text retrieval chats (`kvpop eval --suite real`, training seeds)"}
 RESULTS = {"models/default": "docs/results/eviction-quality.md",
            "smollm2-135m": "docs/results/long-context.md"}
-
-
-def _sources(trained: dict) -> list[str]:
-    """The text sources a real-suite network and the ones it continues were
-    traced on (checkpoints that do not record them were traced before there was
-    another: the generator)."""
-    return list(dict.fromkeys((trained.get("sources") or ["generator"])
-                              + list((trained.get("init") or {}).get("sources") or [])))
 
 
 def _shown(path: Path) -> Path:
@@ -94,7 +87,7 @@ def render(meta_path: Path) -> str:
         f"| inputs per block | {_inputs(cfg)} |",
         f"| trained on | {SUITES.get(t.get('suite'), t.get('suite', '?'))}: {t.get('traces', '?')} traces"
         + (f" of {t['lengths'][0]:,}–{t['lengths'][1]:,}-token prompts" if t.get("lengths") else "")
-        + (f"; haystack text from {', '.join(_sources(t))} (never traced: {', '.join(HELD_OUT)})"
+        + (f"; haystack text from {', '.join(lineage(t)['sources'])} (never traced: {', '.join(HELD_OUT)})"
            if t.get("suite") == "real" else "") + " |",
         f"| traced at | block sizes {', '.join(map(str, sorted(set(t.get('block_sizes', [])))))}; recent windows "
         f"{', '.join(map(str, sorted(set(t.get('recent', [])))))} tokens; horizon {t.get('horizon', '?')} queries |",

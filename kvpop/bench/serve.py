@@ -39,6 +39,7 @@ import random
 import resource
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -165,11 +166,10 @@ def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float
     network = sum(s.usage.network_evictions for s in ok if s.usage)
     # What the network did not rank, by who did and why: compute's fallback per reason
     # (no plan in time, cleanup, ...) and the cache-manager's heuristic.
-    others: dict[str, int] = {}
+    others = Counter()
     for u in (s.usage for s in ok if s.usage):
-        for reason, n in list(u.fallback_reasons.items()) + [("advisor_heuristic", u.advisor_heuristic_evictions)]:
-            if n:
-                others[reason] = others.get(reason, 0) + n
+        others.update(u.fallback_reasons)
+        others["advisor_heuristic"] += u.advisor_heuristic_evictions
     ms = lambda xs, q: round(1000 * percentile(xs, q), 3)
     ttft, tpot = [s.ttft for s in ok], [s.tpot for s in ok if len(s.stamps) > 1]
     itl = [x for s in ok for x in s.itls()]
@@ -185,7 +185,7 @@ def row(policy: str, rate: float, streams: list[AsyncStream], insts, wall: float
         "budget_shrinks": None if peaks.shrinks_last is None else peaks.shrinks_last - peaks.shrinks_first,
         "network_share": round(network / evicted, 4) if policy.startswith("learned") and evicted else None,
         "network_evictions": network, "evictions": evicted,
-        "not_network": others if policy.startswith("learned") else {},
+        "not_network": {k: n for k, n in sorted(others.items()) if n} if policy.startswith("learned") else {},
         "accuracy": round(sum(is_correct(inst, "".join(s.text)) for s, inst in answered) / max(1, len(ok)), 4),
         "client_cpu_s": round(cpu, 2), "_ttft": ttft, "_itl": itl,
         "_texts": [None if s.error else "".join(s.text) for s in streams],
@@ -351,8 +351,7 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         share = "-" if r["network_share"] is None else f"{100 * r['network_share']:.1f}%"
         if r.get("not_network") and r.get("evictions"):
-            share += " (" + ", ".join(f"{k} {100 * n / r['evictions']:.1f}%"
-                                      for k, n in sorted(r["not_network"].items())) + ")"
+            share += " (" + ", ".join(f"{k} {100 * n / r['evictions']:.1f}%" for k, n in r["not_network"].items()) + ")"
         out.append("| " + " | ".join(str(x) for x in [
             r["policy"], r.get("layout") or "-", r.get("prefill_chunk") or "-", r["rate"], r["requests_per_s"], r["output_tokens_per_s"],
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f}", f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
