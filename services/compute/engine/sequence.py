@@ -315,11 +315,14 @@ def keep_columns(seqs: list[Sequence], keep: torch.Tensor, left: list[int]) -> N
 MIN_ROOM, MAX_ROOM = 16, 1024
 
 
-def _room(seq: Sequence, name: str) -> int:
-    """Spare columns after field ``name``'s last one that are ``seq``'s own (0
-    if the field was replaced since they were set aside)."""
-    r = seq.room.get(name)
-    return r[1] if r is not None and r[0] is getattr(seq, name) else 0
+def _fits(seq: Sequence, k: int) -> bool:
+    """Every field of ``seq`` has ``k`` spare columns of its own."""
+    room = seq.room
+    for name in COLUMN_FIELDS:
+        r = room.get(name)
+        if r is None or r[1] < k or r[0] is not getattr(seq, name):
+            return False
+    return True
 
 
 def _grows(seq: Sequence) -> bool:
@@ -357,7 +360,7 @@ def append_blocks(seqs: list[Sequence], pages: list[torch.Tensor], first_block: 
             s.page_table = torch.cat([s.page_table, p.to(s.page_table)], 2) if s.page_table.shape[2] else p.to(
                 s.page_table.device, s.page_table.dtype)
     grow = [i for i, k in enumerate(kl) if k > 0]
-    fits = [all(_room(seqs[i], name) >= kl[i] for name in COLUMN_FIELDS) for i in grow]
+    fits = [_fits(seqs[i], kl[i]) for i in grow]
     for group, append in (([i for i, f in zip(grow, fits) if f], _append_in_place),
                           ([i for i, f in zip(grow, fits) if not f], _append_rebuilt)):
         if group:
@@ -380,22 +383,23 @@ def _new_columns(seqs: list[Sequence], kl: list[int], first_block: list[int], de
 
 
 def _append_in_place(seqs: list[Sequence], kl: list[int], new: dict) -> None:
-    parts = {name: t.split(kl, 2) for name, t in new.items()}
-    zero, dst, src = [], [], []
-    for i, (s, k) in enumerate(zip(seqs, kl)):
+    """Widen every field of each sequence over its spare columns. Those are
+    zeros (``_append_rebuilt`` makes them with ``new_zeros`` and nothing writes
+    past a field's last column), so only the new block numbers are written.
+    Per sequence and field this is one view with host-side sizes: at block
+    size 1 it runs for every decoding sequence at every step."""
+    dst = []
+    for s, k in zip(seqs, kl):
+        room = s.room
         for name in COLUMN_FIELDS:
-            t = getattr(s, name)
-            n = t.shape[2]
-            wider = t.as_strided(t.shape[:2] + (n + k,) + t.shape[3:], t.stride(), t.storage_offset())
-            if name in new:
-                dst.append(wider[:, :, n:])
-                src.append(parts[name][i].to(t.dtype))
-            else:
-                zero.append(wider[:, :, n:])
-            s.room[name] = (wider, s.room[name][1] - k)
+            t, spare = room[name]
+            size = list(t.shape)
+            size[2] += k
+            wider = t.as_strided(size, t.stride(), t.storage_offset())
+            room[name] = (wider, spare - k)
             setattr(s, name, wider)
-    torch._foreach_copy_(dst, src)
-    torch._foreach_zero_(zero)
+        dst.append(s.block_index[:, :, -k:])
+    torch._foreach_copy_(dst, list(new["block_index"].split(kl, 2)))
 
 
 def _append_rebuilt(seqs: list[Sequence], kl: list[int], new: dict) -> None:

@@ -27,14 +27,35 @@ def update_features(seqs: list[Sequence], pool: KVPool) -> None:
             seq.feat_upto = full
     if not todo:
         return
-    pages = [seq.block_address(slice(a, a + k)) for seq, a, k in todo]          # [L, Hkv, k] each
-    flat = torch.cat([p.reshape(-1) for p in pages]) if len(pages) > 1 else pages[0].reshape(-1)
-    km, vn = ops.block_features(*pool.blocks_view(todo[0][0].block_size), flat)
-    sizes = [p.numel() for p in pages]
-    for (seq, a, k), m, v in zip(todo, km.split(sizes), vn.split(sizes)):
-        L, H = seq.num_layers, seq.num_kv_heads
-        seq.key_mean[:, :, a:a + k] = m.view(L, H, k, -1)
-        seq.value_norm[:, :, a:a + k] = v.view(L, H, k)
+    addr = column_addresses([(seq, range(a, a + k)) for seq, a, k in todo])    # [L, Hkv, sum k]
+    km, vn = ops.block_features(*pool.blocks_view(todo[0][0].block_size), addr.reshape(-1))
+    L, H, n = addr.shape
+    ks = [k for _, _, k in todo]
+    dst, src = [], []
+    for (seq, a, k), m, v in zip(todo, km.view(L, H, n, -1).split(ks, 2), vn.view(L, H, n).split(ks, 2)):
+        dst += [seq.key_mean[:, :, a:a + k], seq.value_norm[:, :, a:a + k]]
+        src += [m, v]
+    torch._foreach_copy_(dst, src)
+
+
+def column_addresses(spans: list[tuple[Sequence, range]]) -> torch.Tensor:
+    """[L, Hkv, sum k]: where columns ``cols`` of each sequence live in the
+    pool's blocks view, every sequence's side by side: one cat and one gather
+    for all of them (``Sequence.block_address`` per sequence was a few
+    launches and a host-built index each, per decode step)."""
+    seqs = [s for s, _ in spans]
+    c = seqs[0].page_blocks
+    tables = torch.cat([s.page_table for s in seqs], 2) if len(seqs) > 1 else seqs[0].page_table
+    page, slot, at = [], [], 0
+    for s, cols in spans:
+        page.extend(at + j // c for j in cols)
+        slot.extend(j % c for j in cols)
+        at += s.num_row_pages
+    dev = tables.device
+    addr = tables.index_select(2, torch.tensor(page, device=dev))
+    if c > 1:
+        addr = addr * c + torch.tensor(slot, device=dev, dtype=addr.dtype)
+    return addr
 
 
 def blocks_leaving(seq: Sequence, every: int = 1) -> range:
