@@ -54,6 +54,7 @@ class _Decode:
     nbmax: int = 0                 # most resident blocks (columns) of a sequence
     by_block: bool = False         # kernel over the pool's blocks view: tables name blocks, mass per block
     index: torch.Tensor = None     # tables as int64 (gather index)
+    block_index: torch.Tensor = None  # torch path: [L, B, Hkv, nbmax] int64 block numbers, padded past every query
     visible: torch.Tensor = None   # [L, B, Hkv, 1, S] bool
     length: int = 0                # one dense sequence holding positions 0..length-1 in order: exact attention
 
@@ -206,7 +207,7 @@ class ModelRunner:
                 observe_decode([s for _, s in obs], [mass[:, b, :, :s.num_blocks] for b, s in obs])
             learned = [(b, seq) for b, seq in obs if seq.eviction.policy == "learned"]
             if learned and self.measure_reach:
-                self._decode_reach(mass, learned)
+                self._decode_reach(mass, learned, dec, [s for s, _ in decode])
         for pf in prefill:
             if pf.seq.eviction.budget_blocks is not None:
                 pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
@@ -214,14 +215,22 @@ class ModelRunner:
                     pf.seq.observe_reach(torch.stack(pf.reach), int(pf.q_pos[0]))
         return logits, sampled
 
-    def _decode_reach(self, mass: torch.Tensor, learned: list[tuple[int, Sequence]]) -> None:
+    def _decode_reach(self, mass: torch.Tensor, learned: list[tuple[int, Sequence]], dec: "_Decode",
+                      decoding: list[Sequence]) -> None:
         """Sequence.reach_peak of each learned sequence's decode query, folded into
         its newest block (the last column), for the whole batch at once: a few
-        launches per step whatever the batch (a call per sequence was a few each)."""
+        launches per step whatever the batch (a call per sequence was a few each).
+        The block numbers the torch path stacked for attention are reused."""
         seqs = [s for _, s in learned]
         dev, width = mass.device, mass.shape[3]
-        m = mass.index_select(1, torch.tensor([b for b, _ in learned], device=dev))      # [L, n, Hkv, NB]
-        last_token = (stack_columns([s.block_index for s in seqs], width, 1 << 30).long() + 1) * self.bs - 1
+        every = len(learned) == len(decoding)
+        m = mass if every else mass.index_select(1, torch.tensor([b for b, _ in learned], device=dev))  # [L, n, Hkv, NB]
+        if dec.block_index is not None:
+            bidx = dec.block_index[..., :width]
+            bidx = bidx if every else bidx.index_select(1, torch.tensor([b for b, _ in learned], device=dev))
+        else:
+            bidx = stack_columns([s.block_index for s in seqs], width, 1 << 30).long()
+        last_token = (bidx + 1) * self.bs - 1
         reach_from = torch.tensor([s.num_cached - 1 - s.eviction.recent for s in seqs], device=dev)
         far = last_token < reach_from.view(1, -1, 1, 1)
         peak = torch.where(far, m, torch.zeros((), device=dev)).amax(-1)                 # [L, n, Hkv]
@@ -263,6 +272,7 @@ class ModelRunner:
         # columns and the unwritten tail of the last block are not) and, with
         # a sliding window, within it.
         meta.index = tables.long().flatten(1)                                  # [L, B*Hkv*NP]
+        meta.block_index = bidx
         slot = slot_positions(bidx, bs, npmax * self.page)                     # [L, B, Hkv, S]
         q_pos = torch.tensor(cur, device=dev).view(1, B, 1, 1)
         visible = slot <= q_pos
