@@ -376,6 +376,8 @@ def _new_columns(seqs: list[Sequence], kl: list[int], first_block: list[int], de
     from the host (and are given as output sizes): no device value is read."""
     L, H = seqs[0].num_layers, seqs[0].num_kv_heads
     n_new = sum(kl)
+    if n_new == len(kl):     # a block each (decode at block size 1): the numbers are the first blocks
+        return kl, {"block_index": torch.tensor(first_block, dtype=torch.int32, device=dev).expand(L, H, -1)}
     k_before = torch.tensor(list(itertools.accumulate(kl[:-1], initial=0)), device=dev)
     index = torch.arange(n_new, device=dev) + torch.repeat_interleave(
         torch.tensor(first_block, device=dev) - k_before, torch.tensor(kl, device=dev), output_size=n_new)

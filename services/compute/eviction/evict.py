@@ -30,6 +30,8 @@ def protected_mask(seq: Sequence) -> torch.Tensor:
 
 def _segments(sizes: list[int], dev) -> torch.Tensor:
     """[sum sizes]: which sequence each column side by side belongs to."""
+    if len(sizes) == 1:      # served rounds often run one sequence's at a time
+        return torch.zeros(sizes[0], dtype=torch.long, device=dev)
     return torch.repeat_interleave(torch.arange(len(sizes), device=dev), torch.tensor(sizes, device=dev),
                                    output_size=sum(sizes))
 
