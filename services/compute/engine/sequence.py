@@ -153,13 +153,10 @@ class Sequence:
     def block_address(self, cols) -> torch.Tensor:
         """[L, Hkv, k]: where columns ``cols`` (a slice, a list or a tensor)
         live in the pool's blocks view (``KVPool.blocks_view``)."""
-        c = self.page_blocks
-        if c == 1:
-            return self.page_table[:, :, cols]
         if isinstance(cols, slice):
             cols = range(*cols.indices(self.num_blocks))
         cols = torch.as_tensor(cols, dtype=torch.long, device=self.page_table.device)
-        return self.page_table[:, :, cols // c] * c + cols % c
+        return _address(self.page_table, cols // self.page_blocks, cols % self.page_blocks, self.page_blocks)
 
     def pages_for(self, blocks: int) -> int:
         """Pages per row that hold ``blocks`` packed blocks."""
@@ -259,6 +256,30 @@ class Sequence:
 
     def pages(self) -> torch.Tensor:
         return self.page_table.reshape(-1)
+
+
+def _address(tables: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, c: int) -> torch.Tensor:
+    """Blocks-view addresses of slot ``slots[j]`` of page column ``pages[j]`` of
+    ``tables[L, Hkv, NP]`` (``c`` blocks per page) -> [L, Hkv, len(pages)]."""
+    addr = tables.index_select(2, pages)
+    return addr * c + slots.to(addr.dtype) if c > 1 else addr
+
+
+def column_addresses(spans: list[tuple[Sequence, range]]) -> torch.Tensor:
+    """``block_address`` of several sequences' columns, every sequence's side by
+    side -> [L, Hkv, sum k]: one cat and one gather for all of them, the
+    indices built on the host (a call per sequence was a few launches and a
+    host-built index each, per decode step)."""
+    seqs = [s for s, _ in spans]
+    c = seqs[0].page_blocks
+    tables = torch.cat([s.page_table for s in seqs], 2) if len(seqs) > 1 else seqs[0].page_table
+    page, slot, at = [], [], 0
+    for s, cols in spans:
+        page.extend(at + j // c for j in cols)
+        slot.extend(j % c for j in cols)
+        at += s.num_row_pages
+    dev = tables.device
+    return _address(tables, torch.tensor(page, device=dev), torch.tensor(slot, device=dev), c)
 
 
 def observe_decode(seqs: list[Sequence], mass: list[torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ import torch
 from kvkernels import ops
 from services.compute.eviction.advisor import FeatureBatch
 from services.compute.engine.kv_pool import KVPool
-from services.compute.engine.sequence import Sequence
+from services.compute.engine.sequence import Sequence, column_addresses
 
 
 def update_features(seqs: list[Sequence], pool: KVPool) -> None:
@@ -36,26 +36,6 @@ def update_features(seqs: list[Sequence], pool: KVPool) -> None:
         dst += [seq.key_mean[:, :, a:a + k], seq.value_norm[:, :, a:a + k]]
         src += [m, v]
     torch._foreach_copy_(dst, src)
-
-
-def column_addresses(spans: list[tuple[Sequence, range]]) -> torch.Tensor:
-    """[L, Hkv, sum k]: where columns ``cols`` of each sequence live in the
-    pool's blocks view, every sequence's side by side: one cat and one gather
-    for all of them (``Sequence.block_address`` per sequence was a few
-    launches and a host-built index each, per decode step)."""
-    seqs = [s for s, _ in spans]
-    c = seqs[0].page_blocks
-    tables = torch.cat([s.page_table for s in seqs], 2) if len(seqs) > 1 else seqs[0].page_table
-    page, slot, at = [], [], 0
-    for s, cols in spans:
-        page.extend(at + j // c for j in cols)
-        slot.extend(j % c for j in cols)
-        at += s.num_row_pages
-    dev = tables.device
-    addr = tables.index_select(2, torch.tensor(page, device=dev))
-    if c > 1:
-        addr = addr * c + torch.tensor(slot, device=dev, dtype=addr.dtype)
-    return addr
 
 
 def blocks_leaving(seq: Sequence, every: int = 1) -> range:

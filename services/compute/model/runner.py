@@ -207,7 +207,7 @@ class ModelRunner:
                 observe_decode([s for _, s in obs], [mass[:, b, :, :s.num_blocks] for b, s in obs])
             learned = [(b, seq) for b, seq in obs if seq.eviction.policy == "learned"]
             if learned and self.measure_reach:
-                self._decode_reach(mass, learned, dec, [s for s, _ in decode])
+                self._decode_reach(mass, learned, dec)
         for pf in prefill:
             if pf.seq.eviction.budget_blocks is not None:
                 pf.seq.observe(torch.stack(pf.acc), torch.stack(pf.last), torch.stack(pf.window))
@@ -215,19 +215,19 @@ class ModelRunner:
                     pf.seq.observe_reach(torch.stack(pf.reach), int(pf.q_pos[0]))
         return logits, sampled
 
-    def _decode_reach(self, mass: torch.Tensor, learned: list[tuple[int, Sequence]], dec: "_Decode",
-                      decoding: list[Sequence]) -> None:
+    def _decode_reach(self, mass: torch.Tensor, learned: list[tuple[int, Sequence]], dec: "_Decode") -> None:
         """Sequence.reach_peak of each learned sequence's decode query, folded into
         its newest block (the last column), for the whole batch at once: a few
         launches per step whatever the batch (a call per sequence was a few each).
         The block numbers the torch path stacked for attention are reused."""
         seqs = [s for _, s in learned]
         dev, width = mass.device, mass.shape[3]
-        every = len(learned) == len(decoding)
-        m = mass if every else mass.index_select(1, torch.tensor([b for b, _ in learned], device=dev))  # [L, n, Hkv, NB]
+        # mass holds every decoding sequence; pick the learned ones unless they are all of them.
+        pick = None if len(learned) == mass.shape[1] else torch.tensor([b for b, _ in learned], device=dev)
+        m = mass if pick is None else mass.index_select(1, pick)                          # [L, n, Hkv, NB]
         if dec.block_index is not None:
             bidx = dec.block_index[..., :width]
-            bidx = bidx if every else bidx.index_select(1, torch.tensor([b for b, _ in learned], device=dev))
+            bidx = bidx if pick is None else bidx.index_select(1, pick)
         else:
             bidx = stack_columns([s.block_index for s in seqs], width, 1 << 30).long()
         last_token = (bidx + 1) * self.bs - 1

@@ -14,7 +14,7 @@ from helpers.engine import ScriptedAdvisor, check_invariants, random_prompt, run
 from services.compute.engine.engine import EvictionParams, SamplingParams
 from services.compute.eviction.evict import Round, evict_rounds
 from services.compute.engine.kv_pool import KVPool
-from services.compute.engine.sequence import EvictionState, Sequence, append_blocks
+from services.compute.engine.sequence import COLUMN_FIELDS, EvictionState, Sequence, append_blocks
 
 POLICIES = ["streaming", "h2o", "tova", "snapkv", "knorm", "keydiff", "learned"]
 
@@ -45,7 +45,9 @@ def test_compaction_keeps_every_survivors_kv_position_and_statistics(data):
     kb, vb = pool.blocks_view(bs)
     seqs, nxt = [], []
     for i in range(data.draw(st.integers(1, 3))):
-        state = EvictionState("h2o", budget_blocks=4, floor_blocks=1, sink_blocks=0, recent=0)
+        # A round slack gives a budgeted sequence spare columns: appends then widen in place.
+        state = EvictionState("h2o", budget_blocks=4, floor_blocks=1, sink_blocks=0, recent=0,
+                              round_slack=data.draw(st.integers(0, 6)))
         s = Sequence(f"s{i}", [3] * 4, None, state, L, H, D, bs, "cpu", c)
         s.policy = _RandomScores(data.draw(st.integers(0, 99)))
         seqs.append(s)
@@ -60,6 +62,9 @@ def test_compaction_keeps_every_survivors_kv_position_and_statistics(data):
             append_blocks([seqs[i] for i in grow], pages, [nxt[i] for i in grow], ks)
             for i, k in zip(grow, ks):
                 s = seqs[i]
+                # New columns start with no statistics, whether written in place or rebuilt.
+                assert all(not getattr(s, name)[:, :, -k:].any() for name in COLUMN_FIELDS if name != "block_index")
+                assert s.block_index[0, 0, -k:].tolist() == list(range(nxt[i], nxt[i] + k))
                 cols = list(range(s.num_blocks - k, s.num_blocks))
                 addr = s.block_address(cols)                                   # [L, H, k]
                 for j, col in enumerate(cols):
